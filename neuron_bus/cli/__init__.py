@@ -1,0 +1,10 @@
+"""`neuron-bus` command line: one module per command group, all registered on one app."""
+
+from __future__ import annotations
+
+from neuron_bus.cli.app import app
+from neuron_bus.cli import server  # noqa: F401  (registers commands)
+
+
+def main() -> None:
+    app()

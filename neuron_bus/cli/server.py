@@ -1,0 +1,90 @@
+"""`neuron-bus server`: the embedded nats-server with JetStream and the project's topology."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import typer
+
+from neuron_bus.cli.app import app, fail
+from neuron_bus.errors import ServerError
+from neuron_bus.natsserver import DEFAULT_MAX_PAYLOAD, NatsServer, ServerConfig
+from neuron_bus.topology import connect, ensure_topology
+
+
+async def provision(url: str, replicas: int) -> list[str]:
+    """Create the streams and buckets on a running server; return their names."""
+    nc = await connect(url, name="neuron-bus-provision", max_reconnect_attempts=3)
+    try:
+        topo = await ensure_topology(nc.jetstream(), replicas=replicas)
+    finally:
+        await nc.close()
+    return [s.name for s in topo.streams] + [k.bucket for k in topo.kv] + [o.bucket for o in topo.objects]
+
+
+def wait_for_signal() -> int:
+    """Block until SIGINT or SIGTERM; return the signal number."""
+    received: list[int] = []
+
+    def handler(signum, _frame):
+        received.append(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not received:
+            signal.pause()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return received[0]
+
+
+@app.command()
+def server(
+    host: str = typer.Option("127.0.0.1", help="Address to bind (client, monitoring, cluster)."),
+    port: int = typer.Option(4222, help="Client port."),
+    http_port: int = typer.Option(8222, help="Monitoring port (/healthz, /varz, /jsz)."),
+    store_dir: Path = typer.Option(Path("data/nats"), help="JetStream store directory."),
+    server_name: str = typer.Option("neuron-1", help="Unique server name (required in a cluster)."),
+    max_payload: int = typer.Option(DEFAULT_MAX_PAYLOAD, help="Largest message in bytes."),
+    cluster_name: str = typer.Option(None, help="Join a cluster of this name."),
+    cluster_port: int = typer.Option(None, help="Port for cluster routes."),
+    routes: str = typer.Option("", help="Comma-separated cluster routes, nats-route://host:port."),
+    replicas: int = typer.Option(1, help="Replicas for streams and buckets (3 on a 3-server cluster)."),
+    provision_topology: bool = typer.Option(
+        True, "--provision/--no-provision", help="Create the project's streams and buckets."
+    ),
+) -> None:
+    """Start the embedded nats-server with JetStream; stop cleanly on SIGINT/SIGTERM."""
+    cfg = ServerConfig(
+        store_dir=store_dir.resolve(),
+        host=host,
+        port=port,
+        http_port=http_port,
+        server_name=server_name,
+        max_payload=max_payload,
+        cluster_name=cluster_name,
+        cluster_port=cluster_port,
+        routes=[r for r in routes.split(",") if r],
+    )
+    srv = NatsServer(cfg)
+    try:
+        srv.start()
+        # In a cluster, JetStream needs a quorum of peers before streams can be created.
+        names = asyncio.run(provision(srv.url, replicas)) if provision_topology else []
+    except ServerError as exc:
+        srv.stop()
+        fail(str(exc))
+    except Exception as exc:  # provisioning failed: do not leave the server running
+        srv.stop()
+        fail(f"could not create streams and buckets: {exc}")
+    typer.echo(f"nats-server ready on {srv.url} (pid {srv.pid}, monitoring http://{host}:{http_port})")
+    if names:
+        typer.echo("topology: " + ", ".join(names))
+    try:
+        wait_for_signal()
+    finally:
+        srv.stop()
+        typer.echo("nats-server stopped")

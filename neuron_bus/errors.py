@@ -1,0 +1,28 @@
+"""Typed errors shared by the bus. Each carries a short machine-readable ``reason``."""
+
+from __future__ import annotations
+
+
+class NeuronBusError(Exception):
+    """Base of every error neuron-bus raises on purpose."""
+
+    reason = "error"
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+    def __str__(self) -> str:  # one line, for CLIs and error messages on the bus
+        return self.args[0] if self.args else self.reason
+
+
+class MalformedMessage(NeuronBusError):
+    """A message that cannot be decoded: bad headers, body size mismatch, bad encoding."""
+
+
+class SessionMismatch(NeuronBusError):
+    """A message whose session state key does not match the hop's session table."""
+
+
+class ServerError(NeuronBusError):
+    """The embedded nats-server could not be started or did not become ready."""

