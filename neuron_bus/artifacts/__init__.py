@@ -1,0 +1,1 @@
+"""Model artifacts: GGUF manifests, layer-range planning, slices, and the shard swarm."""

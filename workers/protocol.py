@@ -1,0 +1,234 @@
+"""The one small protocol every execution backend implements.
+
+A backend runs a contiguous, half-open layer range [layer_start, layer_end) of one model and owns
+the hot KV cache of those layers for every open session. The head (layer_start == 0) takes token
+ids; every other hop takes hidden states. Every non-tail hop returns the residual stream after its
+last layer; the tail (layer_end == n_layers) returns logits.
+
+Inputs and outputs are numpy arrays:
+- head input: int32 token ids, shape [n]
+- hidden states in and out: float32, shape [n, hidden_size]
+- tail output: float32 logits of the *last* row only, shape [vocab] (that is all sampling needs)
+
+`Backend` does the bookkeeping every backend shares (session table, position tracking, input
+validation with typed errors) so that a bad call never touches model state; subclasses implement
+the `_open/_forward/_close/_cache_bytes/_export/_import` hooks.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from workers.errors import (
+    BadInput,
+    PositionGap,
+    SessionExists,
+    UnknownSession,
+)
+
+
+@dataclass
+class Capability:
+    """What a backend reports about itself (the node adds node_id, artifact and trust fields)."""
+
+    model_arch: str
+    supported_runtime: str
+    supports_prefill: bool
+    supports_decode_step: bool
+    supports_layer_range: bool
+    supports_partial_artifacts: bool
+    cache_abi: str
+    cache_bytes_per_token_estimate: int
+    prefill_tokens_per_second: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    active_memory_floor: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class SessionState:
+    session_id: str
+    n_ctx: int
+    position: int = 0  # next position to be written
+    opened_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+
+
+class Backend(abc.ABC):
+    """Base class: validation and the session table; subclasses do the model work."""
+
+    backend_id: str = "abstract"
+
+    def __init__(self, *, layer_start: int, layer_end: int, n_layers: int, hidden_size: int, vocab_size: int):
+        if not 0 <= layer_start < layer_end <= n_layers:
+            raise BadInput(f"layer range [{layer_start}, {layer_end}) is outside the model's {n_layers} layers")
+        self.layer_start = layer_start
+        self.layer_end = layer_end
+        self.n_layers = n_layers
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self._sessions: dict[str, SessionState] = {}
+        self.forward_calls = 0  # backend model calls (batched calls count once)
+
+    # -- shape of the range ------------------------------------------------------------------
+
+    @property
+    def is_head(self) -> bool:
+        return self.layer_start == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.layer_end == self.n_layers
+
+    @property
+    @abc.abstractmethod
+    def capability(self) -> Capability: ...
+
+    # -- session lifecycle -------------------------------------------------------------------
+
+    def open_session(self, session_id: str, n_ctx: int) -> int:
+        """Allocate this range's cache for a session; return its cache bytes."""
+        if session_id in self._sessions:
+            raise SessionExists(f"session {session_id} is already open")
+        if n_ctx <= 0:
+            raise BadInput(f"n_ctx must be positive, got {n_ctx}")
+        self._open(session_id, n_ctx)
+        self._sessions[session_id] = SessionState(session_id, n_ctx)
+        return self.cache_bytes(session_id)
+
+    def close_session(self, session_id: str) -> None:
+        self._state(session_id)
+        self._close(session_id)
+        del self._sessions[session_id]
+
+    def sessions(self) -> dict[str, int]:
+        """Open sessions and their cache bytes."""
+        return {sid: self.cache_bytes(sid) for sid in self._sessions}
+
+    def session_position(self, session_id: str) -> int:
+        return self._state(session_id).position
+
+    def cache_bytes(self, session_id: str) -> int:
+        self._state(session_id)
+        return self._cache_bytes(session_id)
+
+    # -- compute -----------------------------------------------------------------------------
+
+    def prefill(self, session_id: str, position: int, x: np.ndarray) -> np.ndarray:
+        """Run a chunk of positions [position, position + n)."""
+        return self._run(session_id, position, x)
+
+    def decode_step(self, session_id: str, position: int, x: np.ndarray) -> np.ndarray:
+        """Run exactly one position."""
+        n = x.shape[0] if x.ndim else 0
+        if n != 1:
+            raise BadInput(f"a decode step carries exactly one position, got {n}")
+        return self._run(session_id, position, x)
+
+    def decode_batch(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
+        """One decode step for several sessions; backends that can batch override `_forward_batch`."""
+        for sid, pos, x in steps:
+            self._check(sid, pos, x)
+            if x.shape[0] != 1:
+                raise BadInput(f"a decode step carries exactly one position, got {x.shape[0]}")
+        outs = self._forward_batch([(sid, pos, self._as_input(x)) for sid, pos, x in steps])
+        for sid, pos, x in steps:
+            self._advance(sid, 1)
+        return outs
+
+    # -- state export (snapshots) ------------------------------------------------------------
+
+    def export_state(self, session_id: str) -> bytes:
+        self._state(session_id)
+        return self._export(session_id)
+
+    def import_state(self, session_id: str, n_ctx: int, position: int, blob: bytes) -> None:
+        """Open ``session_id`` from an exported blob holding positions [0, position)."""
+        if session_id in self._sessions:
+            raise SessionExists(f"session {session_id} is already open")
+        self._import(session_id, n_ctx, position, blob)
+        self._sessions[session_id] = SessionState(session_id, n_ctx, position=position)
+
+    # -- validation --------------------------------------------------------------------------
+
+    def _state(self, session_id: str) -> SessionState:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise UnknownSession(f"unknown or closed session {session_id}") from None
+
+    def _check(self, session_id: str, position: int, x: np.ndarray) -> SessionState:
+        st = self._state(session_id)
+        if position != st.position:
+            raise PositionGap(
+                f"session {session_id}: expected position {st.position}, got {position}"
+            )
+        if self.is_head:
+            if x.ndim != 1 or not np.issubdtype(x.dtype, np.integer):
+                raise BadInput(f"head input must be a 1-D array of token ids, got {x.dtype}{list(x.shape)}")
+            if x.size and (int(x.min()) < 0 or int(x.max()) >= self.vocab_size):
+                raise BadInput(f"token id out of range [0, {self.vocab_size})")
+        else:
+            if x.dtype != np.float32:
+                raise BadInput(f"hidden states must be float32, got {x.dtype}")
+            if x.ndim != 2 or x.shape[1] != self.hidden_size:
+                raise BadInput(
+                    f"hidden states must have shape [n, {self.hidden_size}], got {list(x.shape)}"
+                )
+        n = x.shape[0]
+        if n == 0:
+            raise BadInput("empty input")
+        if position + n > st.n_ctx:
+            raise BadInput(f"session {session_id}: {position + n} positions exceed n_ctx {st.n_ctx}")
+        return st
+
+    def _as_input(self, x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x, dtype=np.int32 if self.is_head else np.float32)
+
+    def _advance(self, session_id: str, n: int) -> None:
+        st = self._sessions[session_id]
+        st.position += n
+        st.last_used = time.time()
+
+    def _run(self, session_id: str, position: int, x: np.ndarray) -> np.ndarray:
+        self._check(session_id, position, x)
+        out = self._forward(session_id, position, self._as_input(x))
+        self.forward_calls += 1
+        self._advance(session_id, x.shape[0])
+        return out
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _open(self, session_id: str, n_ctx: int) -> None: ...
+
+    @abc.abstractmethod
+    def _close(self, session_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def _cache_bytes(self, session_id: str) -> int: ...
+
+    @abc.abstractmethod
+    def _forward(self, session_id: str, position: int, x: np.ndarray) -> np.ndarray: ...
+
+    def _forward_batch(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
+        outs = [self._forward(sid, pos, x) for sid, pos, x in steps]
+        self.forward_calls += len(steps)
+        return outs
+
+    def _export(self, session_id: str) -> bytes:
+        raise NotImplementedError(f"{self.backend_id} cannot export cache state")
+
+    def _import(self, session_id: str, n_ctx: int, position: int, blob: bytes) -> None:
+        raise NotImplementedError(f"{self.backend_id} cannot import cache state")
+
+    def close(self) -> None:
+        """Free every session and the model."""
+        for sid in list(self._sessions):
+            self.close_session(sid)
