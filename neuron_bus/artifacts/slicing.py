@@ -1,0 +1,107 @@
+"""Layer-range slices: a loadable GGUF holding only blocks [start, end) of a model.
+
+Metadata is copied, ``<arch>.block_count`` becomes the range size, ``blk.{start..end-1}`` are
+renamed ``blk.{0..}``, tensor bytes are copied raw (no requantization), and the original range is
+recorded under ``neuron_bus.*``. The file is written to a temporary name and renamed into place,
+so a failed write leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFModel, format_layers
+
+_SKIP_KEYS = ("GGUF.", "split.", META_PREFIX)
+
+
+def _copy_metadata(model: GGUFModel, writer: gguf.GGUFWriter, start: int, end: int) -> None:
+    block_key = f"{model.arch}.block_count"
+    for name, field in model.meta.fields.items():
+        if name.startswith(_SKIP_KEYS) or name == "general.architecture":
+            continue
+        if name == block_key:
+            writer.add_uint32(block_key, end - start)
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        value = field.contents()
+        # Per-layer arrays (some architectures store e.g. head counts per layer) are cut too.
+        if name.startswith(f"{model.arch}.") and sub not in (None, gguf.GGUFValueType.STRING):
+            if isinstance(value, list) and len(value) == model.n_layers:
+                value = value[start:end]
+        writer.add_key_value(name, value, vtype, sub)
+
+
+def slice_gguf(
+    model: GGUFModel | Path | list[Path],
+    start: int,
+    end: int,
+    out_path: Path,
+    artifact_id: str = "",
+) -> Path:
+    """Write blocks [start, end) of ``model`` as a standalone GGUF at ``out_path``."""
+    if not isinstance(model, GGUFModel):
+        model = GGUFModel(model)
+    if not 0 <= start < end <= model.n_layers:
+        raise ArtifactError(
+            "bad_range",
+            f"layer range {start}-{end - 1} is outside the model: it has layers 0-{model.n_layers - 1}",
+        )
+    real, placeholder = model.needed_shared(start, end)
+    tensors: list[tuple[str, object, bool]] = []  # (new name, tensor, placeholder?)
+    for t in model.tensors:
+        if t.layer is None:
+            if t.name in real or t.name in placeholder:
+                tensors.append((t.name, t, t.name in placeholder))
+        elif start <= t.layer < end:
+            new = f"blk.{t.layer - start}." + t.name.split(".", 2)[2]
+            tensors.append((new, t, False))
+
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, model.arch)
+        _copy_metadata(model, writer, start, end)
+        writer.add_uint32(META_PREFIX + "layer_start", start)
+        writer.add_uint32(META_PREFIX + "layer_end", end)
+        writer.add_uint32(META_PREFIX + "n_layers_total", model.n_layers)
+        writer.add_string(META_PREFIX + "artifact_id", artifact_id)
+        writer.add_array(META_PREFIX + "placeholder_tensors", [n for n, _, p in tensors if p] or [""])
+        for name, t, _ in tensors:
+            data = t.reader_tensor.data
+            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, t.ggml_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for name, t, is_placeholder in tensors:
+            data = t.reader_tensor.data
+            writer.write_tensor_data(np.zeros_like(data) if is_placeholder else data)
+        writer.close()
+        os.replace(tmp, out_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+def slice_info(path: Path) -> dict | None:
+    """The range a slice was cut from, or None for a whole model."""
+    model = GGUFModel(path)
+    start = model.field(META_PREFIX + "layer_start")
+    if start is None:
+        return None
+    return {
+        "layer_start": int(start),
+        "layer_end": int(model.field(META_PREFIX + "layer_end")),
+        "n_layers_total": int(model.field(META_PREFIX + "n_layers_total")),
+        "artifact_id": model.field(META_PREFIX + "artifact_id") or "",
+        "range": format_layers(int(start), int(model.field(META_PREFIX + "layer_end"))),
+    }
