@@ -58,7 +58,7 @@ class CapabilityReport(Struct):
     prefill_tokens_per_second: float
     decode_tokens_per_second: float
     active_memory_floor: int
-    wire_dtypes: list[WireDtype] = ["f32", "bf16"]
+    wire_dtypes: list[WireDtype] = msgspec.field(default_factory=lambda: ["f32", "bf16"])
     trust_tier: TrustTier = "untrusted"
     started_at: float = 0.0
 
