@@ -111,7 +111,7 @@ class RouteHop(Struct):
     trust_tier: TrustTier = "untrusted"
 
 
-class RouteAssignment(Struct):
+class RouteAssignment(Struct, tag_field="type", tag="route"):
     """An ordered, complete layer coverage; hop i feeds hop i+1, the tail feeds hop 0 in decode."""
 
     route_id: str
@@ -124,7 +124,7 @@ class RouteAssignment(Struct):
     created_at: float = 0.0
 
 
-class RouteRejection(Struct):
+class RouteRejection(Struct, tag_field="type", tag="rejected"):
     """The tracker's answer when no route can satisfy a request, with every reason."""
 
     request_id: str
@@ -145,21 +145,21 @@ class SamplingParams(Struct):
     logprobs: bool = False
 
 
-class SessionOpen(Struct):
-    """Ask every hop of a route to allocate cache for a new session."""
+class SessionOpen(Struct, tag_field="op", tag="open"):
+    """Ask one hop of a route (``hop_index`` of ``route``) to allocate cache for a new session."""
 
     session_id: str
-    route_id: str
-    model_preset: str
-    model_revision: str
+    route: RouteAssignment
+    hop_index: int
     prompt_tokens: int
+    n_ctx: int
     chunk_size: int = 256
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     wire_dtype: WireDtype = "f32"
     encoding: Encoding = "raw"
 
 
-class SessionOpened(Struct):
+class SessionOpened(Struct, tag_field="type", tag="opened"):
     """A hop's confirmation that it allocated cache for the session."""
 
     session_id: str
@@ -171,10 +171,71 @@ class SessionOpened(Struct):
     cache_bytes: int
 
 
-class SessionClose(Struct):
+class SessionClose(Struct, tag_field="op", tag="close"):
     session_id: str
     route_id: str
     reason: str = "finished"
+
+
+class SessionClosed(Struct, tag_field="type", tag="closed"):
+    session_id: str
+    node_id: str
+    freed_bytes: int
+
+
+class SessionsQuery(Struct, tag_field="op", tag="sessions"):
+    """Ask a node for its active sessions (``neuron-bus sessions NODE``)."""
+
+
+class SessionInfo(Struct):
+    session_id: str
+    route_id: str
+    hop_index: int
+    position: int
+    cache_bytes: int
+    idle_seconds: float
+
+
+class SessionsReport(Struct, tag_field="type", tag="sessions"):
+    node_id: str
+    sessions: list[SessionInfo]
+    cache_bytes_total: int
+    backend_forward_calls: int
+    rejected: dict[str, int] = {}
+
+
+class Ping(Struct, tag_field="op", tag="ping"):
+    sent_at: float
+
+
+class Pong(Struct, tag_field="type", tag="pong"):
+    node_id: str
+    sent_at: float
+
+
+class TokenizeRequest(Struct, tag_field="op", tag="tokenize"):
+    """Ask a route's head to tokenize a prompt (or apply the model's chat template first)."""
+
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeReply(Struct, tag_field="type", tag="tokens"):
+    tokens: list[int]
+    text: str
+
+
+class ControlError(Struct, tag_field="type", tag="error"):
+    """A control request that failed: ``code`` is a short label, ``message`` one clear line."""
+
+    code: str
+    message: str
+
+
+ControlRequest = SessionOpen | SessionClose | SessionsQuery | Ping | TokenizeRequest
+ControlReply = SessionOpened | SessionClosed | SessionsReport | Pong | TokenizeReply | ControlError
+RouteReply = RouteAssignment | RouteRejection
 
 
 class SessionError(Struct):
@@ -187,6 +248,7 @@ class SessionError(Struct):
     message: str
     node_id: str | None = None
     position: int | None = None
+    fatal: bool = True  # False: one message was rejected, the session goes on
 
 
 class ActivationHeader(Struct):
@@ -297,24 +359,31 @@ class FileHash(Struct):
 
 
 class PieceHash(Struct):
-    """A fixed-size piece of one artifact file (the last piece of a file may be shorter)."""
+    """A piece of one artifact file: at most ``piece_size`` bytes, never crossing a region.
+
+    A file is cut into regions (its header, each shared tensor, each layer's run of tensors) and
+    each region into fixed-size pieces (its last piece may be shorter). Pieces therefore never
+    straddle two layers: a node fetching a layer range downloads no byte of its neighbours.
+    """
 
     index: int
     file: str
     offset: int
     length: int
     sha256: str
+    region: str = ""  # "header", "blk.<layer>" or a shared tensor's name
 
 
 class TensorEntry(Struct):
     name: str
     file: str
-    offset: int
+    offset: int  # absolute offset of the tensor's data in ``file``
     nbytes: int
     ggml_type: str
     shape: list[int]
     layer: int | None
-    pieces: list[int]
+    pieces: list[int]  # the pieces holding the tensor's bytes
+    sha256: str = ""  # of the tensor's bytes (they are copied raw into slices: proves slices)
 
 
 class CacheDescriptor(Struct):
@@ -323,11 +392,17 @@ class CacheDescriptor(Struct):
     n_kv_heads: int
     head_dim: int
     hidden_size: int
-    kv_bytes_per_token_per_layer: int
+    kv_bytes_per_token_per_layer: int  # K and V at f16
 
 
 class ArtifactManifest(Struct):
-    """Maps a GGUF's storage (files, fixed-size pieces) to its semantic parts (layers)."""
+    """Maps a GGUF's storage (files, pieces) to its semantic parts (layers, shared tensors).
+
+    ``header_pieces`` hold every file's header (metadata, tokenizer, tensor index): any node
+    needs them to read its range. ``tokenizer_artifacts`` names the metadata keys holding the
+    tokenizer (they live in the first file's header pieces). ``metadata_sha256`` digests the
+    metadata a slice keeps unchanged, so a slice's metadata can be proven too.
+    """
 
     artifact_id: str
     model_preset: str
@@ -344,6 +419,8 @@ class ArtifactManifest(Struct):
     layer_to_artifact_map: dict[str, list[int]]
     tokenizer_artifacts: list[str]
     cache_descriptor: CacheDescriptor
+    header_pieces: list[int] = []
+    metadata_sha256: str = ""
     schema_version: int = SCHEMA_VERSION
 
 
@@ -356,6 +433,14 @@ ALL_MESSAGES: tuple[type[Struct], ...] = (
     SessionOpen,
     SessionOpened,
     SessionClose,
+    SessionClosed,
+    SessionsQuery,
+    SessionsReport,
+    Ping,
+    Pong,
+    TokenizeRequest,
+    TokenizeReply,
+    ControlError,
     SessionError,
     ActivationHeader,
     TokenDelta,
@@ -372,7 +457,7 @@ def encode(msg: Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes, kind: type[msgspec.Struct]):
+def decode(data: bytes, kind):
     """Decode JSON into ``kind``; raise :class:`MalformedMessage` with a clear reason otherwise."""
     from neuron_bus.errors import MalformedMessage
 

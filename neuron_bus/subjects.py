@@ -7,7 +7,8 @@ import re
 ROOT = "neuron"
 
 # Streams (JetStream). Names are fixed; subjects below say what each captures.
-STREAM_ACTIVATIONS = "NEURON_ACT"  # neuron.act.>         work queue, memory
+STREAM_PREFILL = "NEURON_PREFILL"  # neuron.act.*.*.prefill  work queue, window per subject
+STREAM_DECODE = "NEURON_DECODE"  # neuron.act.*.*.decode    work queue
 STREAM_ROUTES = "NEURON_ROUTES"  # neuron.route.assign.> limits, last per subject
 STREAM_TELEMETRY = "NEURON_TELEMETRY"  # neuron.telemetry.>   last per subject
 STREAM_TOKENS = "NEURON_TOKENS"  # neuron.session.*.tokens / .error, limits, memory
@@ -51,9 +52,16 @@ def route_assign(route_id: str) -> str:
     return f"{ROOT}.route.assign.{check_token(route_id, 'route id')}"
 
 
-def hop_input(route_id: str, hop_index: int) -> str:
-    """Activations (prefill chunks, decode steps) into hop ``hop_index`` of a route."""
-    return f"{ROOT}.act.{check_token(route_id, 'route id')}.{int(hop_index)}"
+def hop_input(route_id: str, hop_index: int, phase: str) -> str:
+    """Activations into hop ``hop_index`` of a route; ``phase`` is "prefill" or "decode".
+
+    The two phases travel in separate streams: prefill subjects hold at most a window of chunks
+    (backpressure), decode subjects are unbounded (a session has at most one decode step in
+    flight, so the ring cannot deadlock on a full subject).
+    """
+    if phase not in ("prefill", "decode"):
+        raise ValueError(f"phase must be prefill or decode, got {phase!r}")
+    return f"{ROOT}.act.{check_token(route_id, 'route id')}.{int(hop_index)}.{phase}"
 
 
 def session_tokens(session_id: str) -> str:

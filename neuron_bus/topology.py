@@ -31,19 +31,38 @@ class Topology:
     objects: tuple[ObjectStoreConfig, ...]
 
 
-def topology(replicas: int = 1) -> Topology:
-    """Every stream and bucket, with ``replicas`` copies (3 on a 3-server cluster)."""
+DEFAULT_PREFILL_WINDOW = 4
+
+
+def topology(replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) -> Topology:
+    """Every stream and bucket, with ``replicas`` copies (3 on a 3-server cluster).
+
+    ``prefill_window`` is how many prefill chunks may wait for one hop: a slow hop makes its
+    upstream hold (and retry) instead of any buffer growing.
+    """
     r = replicas
     streams = (
         StreamConfig(
-            name=S.STREAM_ACTIVATIONS,
-            description="activations into route hops (prefill chunks, decode steps)",
-            subjects=[f"{S.ROOT}.act.>"],
+            name=S.STREAM_PREFILL,
+            description="prefill chunks into route hops; at most `prefill_window` waiting per hop",
+            subjects=[f"{S.ROOT}.act.*.*.prefill"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.MEMORY,
+            max_msgs_per_subject=prefill_window,
+            discard=DiscardPolicy.NEW,
+            discard_new_per_subject=True,
+            max_age=600.0,
+            max_bytes=1 << 30,
+            num_replicas=r,
+        ),
+        StreamConfig(
+            name=S.STREAM_DECODE,
+            description="decode steps into route hops (one position each)",
+            subjects=[f"{S.ROOT}.act.*.*.decode"],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.MEMORY,
             max_age=600.0,
-            max_bytes=1 << 30,
-            discard=DiscardPolicy.NEW,
+            max_bytes=256 << 20,
             num_replicas=r,
         ),
         StreamConfig(
@@ -129,9 +148,9 @@ def topology(replicas: int = 1) -> Topology:
     return Topology(streams, kv, objects)
 
 
-async def ensure_topology(js: JetStreamContext, replicas: int = 1) -> Topology:
+async def ensure_topology(js: JetStreamContext, replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) -> Topology:
     """Create what is missing, update streams whose config drifted; safe to call repeatedly."""
-    topo = topology(replicas)
+    topo = topology(replicas, prefill_window)
     for cfg in topo.streams:
         try:
             await js.stream_info(cfg.name)

@@ -55,7 +55,7 @@ def test_server_command_starts_jetstream_on_loopback_and_stops_on_sigterm(tmp_pa
         assert f"nats://127.0.0.1:{port}" in line, line + proc.stderr.read()
         assert "topology:" in proc.stdout.readline()
         streams, kv, obj = asyncio.run(_names(f"nats://127.0.0.1:{port}"))
-        for name in (S.STREAM_ACTIVATIONS, S.STREAM_TELEMETRY, S.STREAM_ROUTES, S.STREAM_TOKENS):
+        for name in (S.STREAM_PREFILL, S.STREAM_DECODE, S.STREAM_TELEMETRY, S.STREAM_ROUTES, S.STREAM_TOKENS):
             assert name in streams
         assert kv == {S.KV_NODES, S.KV_ROUTES}
         assert obj == {S.OBJ_ARTIFACTS, S.OBJ_SNAPSHOTS}

@@ -11,14 +11,14 @@ import typer
 from neuron_bus.cli.app import app, fail
 from neuron_bus.errors import ServerError
 from neuron_bus.natsserver import DEFAULT_MAX_PAYLOAD, NatsServer, ServerConfig
-from neuron_bus.topology import connect, ensure_topology
+from neuron_bus.topology import DEFAULT_PREFILL_WINDOW, connect, ensure_topology
 
 
-async def provision(url: str, replicas: int) -> list[str]:
+async def provision(url: str, replicas: int, prefill_window: int = DEFAULT_PREFILL_WINDOW) -> list[str]:
     """Create the streams and buckets on a running server; return their names."""
     nc = await connect(url, name="neuron-bus-provision", max_reconnect_attempts=3)
     try:
-        topo = await ensure_topology(nc.jetstream(), replicas=replicas)
+        topo = await ensure_topology(nc.jetstream(), replicas=replicas, prefill_window=prefill_window)
     finally:
         await nc.close()
     return [s.name for s in topo.streams] + [k.bucket for k in topo.kv] + [o.bucket for o in topo.objects]
@@ -53,6 +53,9 @@ def server(
     cluster_port: int = typer.Option(None, help="Port for cluster routes."),
     routes: str = typer.Option("", help="Comma-separated cluster routes, nats-route://host:port."),
     replicas: int = typer.Option(1, help="Replicas for streams and buckets (3 on a 3-server cluster)."),
+    prefill_window: int = typer.Option(
+        DEFAULT_PREFILL_WINDOW, help="Prefill chunks that may wait for one hop before its upstream holds."
+    ),
     provision_topology: bool = typer.Option(
         True, "--provision/--no-provision", help="Create the project's streams and buckets."
     ),
@@ -73,7 +76,7 @@ def server(
     try:
         srv.start()
         # In a cluster, JetStream needs a quorum of peers before streams can be created.
-        names = asyncio.run(provision(srv.url, replicas)) if provision_topology else []
+        names = asyncio.run(provision(srv.url, replicas, prefill_window)) if provision_topology else []
     except ServerError as exc:
         srv.stop()
         fail(str(exc))
