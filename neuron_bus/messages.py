@@ -155,8 +155,6 @@ class SessionOpen(Struct, tag_field="op", tag="open"):
     n_ctx: int
     chunk_size: int = 256
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
-    wire_dtype: WireDtype = "f32"
-    encoding: Encoding = "raw"
 
 
 class SessionOpened(Struct, tag_field="type", tag="opened"):

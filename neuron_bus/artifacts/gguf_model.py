@@ -149,23 +149,30 @@ class GGUFModel:
         return OUTPUT not in self.by_name
 
     def needed_shared(self, start: int, end: int) -> tuple[list[str], list[str]]:
-        """Shared tensors a llama.cpp slice of [start, end) holds: (real bytes, placeholders).
+        """Shared tensors a llama.cpp slice of [start, end) holds: see :func:`needed_shared`."""
+        return needed_shared([t.name for t in self.shared_tensors()], self.n_layers, start, end)
 
-        The head needs token_embd's real bytes; so does a tail of a model with tied embeddings
-        (its lm_head is token_embd). llama.cpp still loads token_embd in every other slice, but
-        never reads it there (embeddings are injected), so it can be zeros: a placeholder costs
-        no download. output_norm and output are needed by the tail; output_norm is loaded by
-        every slice and is tiny, so it is always real.
-        """
-        is_head, is_tail = start == 0, end == self.n_layers
-        real, placeholder = [OUTPUT_NORM], []
-        if is_head or (is_tail and self.ties_embeddings):
-            real.append(TOKEN_EMBD)
-        else:
-            placeholder.append(TOKEN_EMBD)
-        if is_tail and not self.ties_embeddings:
-            real.append(OUTPUT)
-        for t in self.shared_tensors():  # architecture extras (rope factors, ...)
-            if t.name not in (TOKEN_EMBD, OUTPUT_NORM, OUTPUT):
-                real.append(t.name)
-        return real, placeholder
+
+def needed_shared(shared: list[str], n_layers: int, start: int, end: int) -> tuple[list[str], list[str]]:
+    """Which of a model's ``shared`` (non-block) tensors a slice of [start, end) holds: (real, placeholders).
+
+    The head needs token_embd's real bytes; so does a tail of a model with tied embeddings
+    (its lm_head is token_embd). llama.cpp still loads token_embd in every other slice, but
+    never reads it there (embeddings are injected), so it can be zeros: a placeholder costs
+    no download. output_norm and output are needed by the tail; output_norm is loaded by
+    every slice and is tiny, so it is always real. Works from tensor names alone, so a
+    manifest can be planned without the model file.
+    """
+    ties_embeddings = OUTPUT not in shared
+    is_head, is_tail = start == 0, end == n_layers
+    real, placeholder = [OUTPUT_NORM], []
+    if is_head or (is_tail and ties_embeddings):
+        real.append(TOKEN_EMBD)
+    else:
+        placeholder.append(TOKEN_EMBD)
+    if is_tail and not ties_embeddings:
+        real.append(OUTPUT)
+    for name in shared:  # architecture extras (rope factors, ...)
+        if name not in (TOKEN_EMBD, OUTPUT_NORM, OUTPUT):
+            real.append(name)
+    return real, placeholder
