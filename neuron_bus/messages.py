@@ -422,6 +422,90 @@ class ArtifactManifest(Struct):
     schema_version: int = SCHEMA_VERSION
 
 
+# --------------------------------------------------------------------------------------------
+# Tracker: coverage map
+
+
+CoverageStatus = Literal["covered", "under-provisioned", "gap"]
+
+
+class CoverageRequest(Struct, tag_field="op", tag="coverage"):
+    """Ask the tracker for its coverage map (``neuron.tracker.coverage``, request/reply)."""
+
+    model_preset: str | None = None  # None: every model the tracker knows
+
+
+class LayerCoverage(Struct):
+    """One layer of one model group: its live replicas and their summed measured decode tok/s.
+
+    ``status`` is ``gap`` with no live replica, ``under-provisioned`` when ``reasons`` say why
+    (single replica, only slow replicas, capacity under the tracker's threshold), else ``covered``.
+    """
+
+    layer: int
+    status: CoverageStatus
+    replicas: list[str]
+    capacity_tokens_per_second: float
+    reasons: list[str] = []
+
+
+class RebalanceHint(Struct):
+    """The layer range a joining node should take to help this model group most (half-open)."""
+
+    layer_start: int
+    layer_end: int
+    reason: str
+
+
+class ModelCoverage(Struct):
+    """Coverage of one numerics group: nodes that may share a route (same model, revision,
+    backend and cache ABI)."""
+
+    model_preset: str
+    model_revision: str
+    backend_id: str
+    cache_abi: str
+    n_layers_total: int
+    layers: list[LayerCoverage]
+    nodes_live: list[str] = []
+    nodes_expired: list[str] = []
+    hint: RebalanceHint | None = None
+
+
+class TrackedNode(Struct):
+    """A node as the tracker sees it: its range, liveness and measured telemetry."""
+
+    node_id: str
+    model_preset: str
+    layer_start: int
+    layer_end: int
+    backend_id: str
+    cache_abi: str
+    alive: bool
+    status: str
+    seconds_since_heartbeat: float | None = None
+    decode_tokens_per_second: float | None = None  # measured (heartbeat) or self-benchmark
+    prefill_tokens_per_second: float | None = None
+    sessions_active: int = 0
+    recently_assigned: int = 0
+    queue_depth: int = 0
+    route_failure_rate: float = 0.0
+    rtt_ms: float | None = None
+    slow: bool = False
+
+
+class CoverageReport(Struct, tag_field="type", tag="coverage"):
+    """The tracker's coverage map: per model group and layer, plus every node it knows."""
+
+    generated_at: float
+    expiry_seconds: float
+    min_replicas: int
+    min_capacity_tokens_per_second: float
+    slow_factor: float
+    models: list[ModelCoverage]
+    nodes: list[TrackedNode] = []
+
+
 ALL_MESSAGES: tuple[type[Struct], ...] = (
     CapabilityReport,
     NodeHeartbeat,
@@ -446,6 +530,8 @@ ALL_MESSAGES: tuple[type[Struct], ...] = (
     ValidationEvent,
     LedgerEntry,
     ArtifactManifest,
+    CoverageRequest,
+    CoverageReport,
 )
 
 _encoder = msgspec.json.Encoder()

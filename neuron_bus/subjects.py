@@ -22,6 +22,7 @@ OBJ_ARTIFACTS = "neuron-artifacts"  # manifests and pieces
 OBJ_SNAPSHOTS = "neuron-snapshots"  # KV cache snapshots (may live on a separate server)
 
 ROUTE_REQUEST = f"{ROOT}.route.request"  # request/reply to the tracker
+TRACKER_COVERAGE = f"{ROOT}.tracker.coverage"  # request/reply: CoverageRequest -> CoverageReport
 NODE_ANNOUNCE_ALL = f"{ROOT}.node.*.caps"
 NODE_HEARTBEAT_ALL = f"{ROOT}.node.*.heartbeat"
 
