@@ -19,6 +19,11 @@ from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFMode
 
 _SKIP_KEYS = ("GGUF.", "split.", META_PREFIX)
 
+# Architectures whose sliding-window layers llama.cpp derives from the layer index (period p:
+# layer i is sliding-window iff i % p < p - 1). A slice renumbers its layers, so it states the
+# per-layer pattern of its original layers explicitly (llama.cpp reads the array when present).
+_IMPLICIT_SWA_PERIOD = {"gemma3": 6}
+
 
 def _copy_metadata(model: GGUFModel, writer: gguf.GGUFWriter, start: int, end: int) -> None:
     block_key = f"{model.arch}.block_count"
@@ -36,6 +41,10 @@ def _copy_metadata(model: GGUFModel, writer: gguf.GGUFWriter, start: int, end: i
             if isinstance(value, list) and len(value) == model.n_layers:
                 value = value[start:end]
         writer.add_key_value(name, value, vtype, sub)
+    period = _IMPLICIT_SWA_PERIOD.get(model.arch)
+    pattern_key = f"{model.arch}.attention.sliding_window_pattern"
+    if period and model.field(f"{model.arch}.attention.sliding_window") and model.field(pattern_key) is None:
+        writer.add_array(pattern_key, [i % period < period - 1 for i in range(start, end)])
 
 
 def slice_gguf(
