@@ -6,7 +6,9 @@ assembled from an installed wheel's chunks), or fails with a clear message.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,3 +89,26 @@ def preset_for(path: Path) -> str:
         if path.name == preset.filename:
             return preset.name
     return path.stem
+
+
+def revision(path: Path) -> str:
+    """A content-derived revision of a model file (sha256 prefix), cached by path, size and mtime."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = f"{path}:{st.st_size}:{st.st_mtime_ns}"
+    index = cache_dir() / "revisions.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key not in known:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        known[key] = h.hexdigest()[:16]
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, index)
+    return known[key]

@@ -1,0 +1,134 @@
+"""`neuron-bus worker`: load a layer range of a model and serve it on the bus."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+
+import typer
+
+from neuron_bus import messages as M
+from neuron_bus import models
+from neuron_bus.artifacts.gguf_model import ArtifactError, GGUFModel, parse_layers
+from neuron_bus.cli.app import NatsOption, app, fail
+from neuron_bus.topology import connect, ensure_topology
+
+
+def build_report(node_id: str, backend, model_path, preset: str, revision: str, artifact_id: str, trust_tier: str) -> M.CapabilityReport:
+    cap = backend.capability
+    return M.CapabilityReport(
+        node_id=node_id,
+        model_preset=preset,
+        model_revision=revision,
+        artifact_id=artifact_id,
+        backend_id=backend.backend_id,
+        layer_start=backend.layer_start,
+        layer_end=backend.layer_end,
+        n_layers_total=backend.n_layers,
+        hidden_size=backend.hidden_size,
+        model_arch=cap.model_arch,
+        supported_runtime=cap.supported_runtime,
+        supports_prefill=cap.supports_prefill,
+        supports_decode_step=cap.supports_decode_step,
+        supports_layer_range=cap.supports_layer_range,
+        supports_partial_artifacts=cap.supports_partial_artifacts,
+        cache_abi=cap.cache_abi,
+        cache_bytes_per_token_estimate=cap.cache_bytes_per_token_estimate,
+        prefill_tokens_per_second=cap.prefill_tokens_per_second,
+        decode_tokens_per_second=cap.decode_tokens_per_second,
+        active_memory_floor=cap.active_memory_floor,
+        trust_tier=trust_tier,
+        started_at=time.time(),
+    )
+
+
+async def fetch_slice(url: str, artifact_id: str, layers: str):
+    """The verified slice of ``layers`` of an artifact, from the local cache or the shard swarm."""
+    from neuron_bus.artifacts.manifest import n_layers
+    from neuron_bus.artifacts.swarm import fetch_manifest, resolve_artifact
+
+    nc = await connect(url, name="neuron-worker-fetch", max_reconnect_attempts=3)
+    try:
+        js = nc.jetstream()
+        manifest = await fetch_manifest(js, artifact_id)
+        start, end = parse_layers(layers, n_layers(manifest))
+        path = await resolve_artifact(js, artifact_id, start, end, models.cache_dir() / "artifacts")
+    finally:
+        await nc.close()
+    return path, start, end, manifest.model_preset
+
+
+async def serve(url: str, backend, tokenizer, report: M.CapabilityReport, options, metrics_port: int | None) -> None:
+    from neuron_bus.worker.service import WorkerService
+
+    nc = await connect(url, name=f"neuron-worker-{report.node_id}")
+    await ensure_topology(nc.jetstream())
+    service = WorkerService(nc, backend, tokenizer, report, options)
+    if metrics_port:
+        service.metrics.serve(metrics_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    print(
+        f"worker {report.node_id} ready: layers {report.layer_start}-{report.layer_end - 1} of "
+        f"{report.n_layers_total} ({report.backend_id}, {report.cache_abi}) on {url}",
+        flush=True,
+    )
+    await stop.wait()
+    await service.stop()
+    await nc.drain()
+
+
+@app.command()
+def worker(
+    model: str = typer.Option(None, help="GGUF path or preset (smollm2-135m, gemma3-270m)."),
+    artifact: str = typer.Option(None, help="Start from the shard swarm: fetch this artifact id's range."),
+    layers: str = typer.Option(..., help="Layer range to serve, inclusive: 0-14."),
+    backend: str = typer.Option("llama-cpp", help="llama-cpp | torch"),
+    nats: str = NatsOption,
+    threads: int = typer.Option(int(os.environ.get("NEURON_THREADS", "0")) or None, help="Compute threads."),
+    metrics_port: int = typer.Option(None, help="Serve Prometheus metrics on this port."),
+    node_id: str = typer.Option(None, help="Unique node id (default: host-pid-random)."),
+    trust_tier: str = typer.Option("untrusted", help="untrusted | trusted | paid-trusted (operator-assigned)."),
+    idle_timeout: float = typer.Option(300.0, help="Free sessions idle this long (seconds)."),
+    max_decode_batch: int = typer.Option(8, help="Decode steps of different sessions run together."),
+    slow_ms: float = typer.Option(0.0, hidden=True, help="Fault injection: delay every backend call."),
+    dtype: str = typer.Option("float32", help="torch backend compute dtype: float32 | bfloat16."),
+) -> None:
+    """Load a layer range of a GGUF model and serve every route assigned to it."""
+    from neuron_bus.worker.service import WorkerOptions
+
+    if (model is None) == (artifact is None):
+        fail("give exactly one of --model or --artifact")
+    node_id = node_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+    try:
+        from neuron_bus.subjects import check_token
+
+        check_token(node_id, "node id")
+        if artifact:
+            path, start, end, preset = asyncio.run(fetch_slice(nats, artifact, layers))
+            revision, artifact_id = artifact, artifact
+        else:
+            path = models.resolve(model)
+            start, end = parse_layers(layers, GGUFModel(path).n_layers)
+            preset, revision, artifact_id = models.preset_for(path), models.revision(path), ""
+        from workers.registry import open_backend  # execution lives in workers/
+
+        be = open_backend(backend, path, start, end, threads=threads, dtype=dtype)
+        from workers.tokenizer import Tokenizer
+
+        tok = Tokenizer(path)
+    except (ArtifactError, models.UnknownModel, ValueError) as exc:
+        fail(str(exc))
+    report = build_report(node_id, be, path, preset, revision, artifact_id, trust_tier)
+    options = WorkerOptions(idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms)
+    try:
+        asyncio.run(serve(nats, be, tok, report, options, metrics_port))
+    finally:
+        be.close()

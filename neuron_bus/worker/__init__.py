@@ -1,0 +1,1 @@
+"""The worker service: serves one backend's layer range on every route assigned to it."""

@@ -1,0 +1,37 @@
+"""Prometheus metrics of one worker (own registry, so several workers can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+
+class WorkerMetrics:
+    def __init__(self, node_id: str):
+        self.registry = CollectorRegistry()
+        labels = {"registry": self.registry}
+        self.seam_bytes = Counter(
+            "neuron_seam_bytes_total", "Activation body bytes crossing this node's seams",
+            ["phase", "direction"], **labels,
+        )
+        self.seam_messages = Counter(
+            "neuron_seam_messages_total", "Activation messages crossing this node's seams",
+            ["phase", "direction"], **labels,
+        )
+        self.sessions_active = Gauge("neuron_sessions_active", "Open route sessions on this node", **labels)
+        self.cache_bytes = Gauge("neuron_cache_bytes", "KV cache bytes held for open sessions", **labels)
+        self.rejected = Counter(
+            "neuron_rejected_messages_total", "Messages rejected before any model work", ["reason"], **labels,
+        )
+        self.backend_calls = Counter("neuron_backend_calls_total", "Backend forward calls", ["phase"], **labels)
+        self.tokens = Counter("neuron_tokens_total", "Positions computed by this node", ["phase"], **labels)
+
+    def seam(self, phase: str, direction: str, nbytes: int) -> None:
+        self.seam_bytes.labels(phase, direction).inc(nbytes)
+        self.seam_messages.labels(phase, direction).inc()
+
+    def value(self, name: str, **labels) -> float:
+        v = self.registry.get_sample_value(name, labels)
+        return 0.0 if v is None else v
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> None:
+        start_http_server(port, addr=host, registry=self.registry)

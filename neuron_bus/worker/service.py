@@ -1,0 +1,455 @@
+"""The worker service loop: one backend, every route session assigned to it.
+
+- Announces its capability report (KV ``neuron-nodes`` and ``neuron.node.<id>.caps``) and sends
+  heartbeats with measured telemetry.
+- Answers control requests on ``neuron.node.<id>.ctl``: open/close sessions, list sessions,
+  ping, tokenize.
+- For every route it serves, binds JetStream push consumers on the hop's prefill and decode
+  subjects. Messages are checked against the session table before any model work; outputs are
+  published to the next hop (or, at the tail, sampled into a token that goes straight back to
+  hop 0 as the next decode step) and the input is acknowledged only after the next stream
+  accepted the output.
+- Decode steps that arrive together, across sessions, run as one batched backend call.
+
+The backend is driven through `workers.protocol.Backend` in one dedicated thread, so heartbeats
+and control requests stay responsive while the model computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from neuron_bus import codec
+from neuron_bus import messages as M
+from neuron_bus import subjects as S
+from neuron_bus.errors import MalformedMessage, SessionMismatch
+from neuron_bus.flow import publish
+from neuron_bus.sampling import sample
+from neuron_bus.telemetry import GenerationProgress
+from neuron_bus.worker.metrics import WorkerMetrics
+from neuron_bus.worker.session_table import HopSession, SessionTable
+
+log = logging.getLogger("neuron_bus.worker")
+
+TOP_LOGPROBS = 5
+
+
+@dataclass
+class WorkerOptions:
+    heartbeat_interval: float = 1.0
+    idle_timeout: float = 300.0
+    max_decode_batch: int = 8
+    decode_ack_pending: int = 256
+    max_body: int = codec.DEFAULT_MAX_BODY
+    slow_ms: float = 0.0  # add this much delay per backend call (fault injection for tests)
+
+
+class WorkerService:
+    def __init__(self, nc: NATS, backend, tokenizer, report: M.CapabilityReport, options: WorkerOptions | None = None):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.report = report
+        self.node_id = report.node_id
+        self.opts = options or WorkerOptions()
+        self.metrics = WorkerMetrics(self.node_id)
+        self.sessions = SessionTable()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"backend-{self.node_id}")
+        self._decode_q: deque[Msg] = deque()
+        self._prefill_q: deque[Msg] = deque()
+        self._work = asyncio.Event()
+        self._route_subs: dict[str, list] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._subs: list = []
+        self._hb_seq = 0
+        self._rejected: dict[str, int] = {}
+        self._tokens_window: deque[tuple[float, str, int]] = deque()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        kv = await self.js.key_value(S.KV_NODES)
+        await kv.put(self.node_id, M.encode(self.report))
+        await self.nc.publish(S.node_caps(self.node_id), M.encode(self.report))
+        self._subs.append(await self.nc.subscribe(S.node_control(self.node_id), cb=self._on_control))
+        self._tasks = [
+            asyncio.create_task(self._process_loop(), name="process"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._reap_loop(), name="reaper"),
+        ]
+        await self._heartbeat()
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sub in self._subs:
+            await sub.unsubscribe()
+        for route_id in list(self._route_subs):
+            await self._unbind(route_id)
+        for s in list(self.sessions):
+            await self._close(s.session_id)
+        self._pool.shutdown(wait=True)
+
+    async def _call(self, fn, *args):
+        """Run a backend/tokenizer call on the backend thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ------------------------------------------------------------------ control plane
+
+    async def _on_control(self, msg: Msg) -> None:
+        try:
+            req = M.decode(msg.data, M.ControlRequest)
+            reply = await self._control(req)
+        except Exception as exc:  # every failure is an explicit reply, never silence
+            code = getattr(exc, "reason", type(exc).__name__)
+            reply = M.ControlError(code=str(code), message=str(exc))
+        if msg.reply:
+            await msg.respond(M.encode(reply))
+
+    async def _control(self, req):
+        if isinstance(req, M.Ping):
+            return M.Pong(node_id=self.node_id, sent_at=req.sent_at)
+        if isinstance(req, M.SessionsQuery):
+            return self._sessions_report()
+        if isinstance(req, M.TokenizeRequest):
+            return await self._tokenize(req)
+        if isinstance(req, M.SessionOpen):
+            return await self._open(req)
+        if isinstance(req, M.SessionClose):
+            freed = await self._close(req.session_id)
+            return M.SessionClosed(session_id=req.session_id, node_id=self.node_id, freed_bytes=freed)
+        raise ValueError(f"unsupported control request {type(req).__name__}")
+
+    async def _tokenize(self, req: M.TokenizeRequest) -> M.TokenizeReply:
+        if req.messages is not None:
+            text = await self._call(self.tokenizer.apply_chat_template, req.messages, req.add_generation_prompt)
+            tokens = await self._call(self.tokenizer.encode, text, False)
+        elif req.text is not None:
+            text = req.text
+            tokens = await self._call(self.tokenizer.encode, text)
+        else:
+            raise ValueError("tokenize needs text or messages")
+        return M.TokenizeReply(tokens=tokens, text=text)
+
+    async def _open(self, req: M.SessionOpen) -> M.SessionOpened:
+        S.check_token(req.session_id, "session id")
+        route = req.route
+        if not 0 <= req.hop_index < len(route.hops):
+            raise ValueError(f"hop index {req.hop_index} is outside route {route.route_id}")
+        hop = route.hops[req.hop_index]
+        if hop.node_id != self.node_id:
+            raise ValueError(f"hop {req.hop_index} of route {route.route_id} is node {hop.node_id}, not {self.node_id}")
+        b = self.backend
+        if (hop.layer_start, hop.layer_end) != (b.layer_start, b.layer_end):
+            raise ValueError(
+                f"this node serves layers [{b.layer_start}, {b.layer_end}), the route asks for [{hop.layer_start}, {hop.layer_end})"
+            )
+        if hop.cache_abi != self.report.cache_abi:
+            raise ValueError(f"cache ABI {hop.cache_abi} does not match this node's {self.report.cache_abi}")
+        if req.prompt_tokens <= 0 or req.prompt_tokens + req.sampling.max_tokens > req.n_ctx:
+            raise ValueError(f"prompt of {req.prompt_tokens} tokens + {req.sampling.max_tokens} new ones exceeds n_ctx {req.n_ctx}")
+        if req.chunk_size <= 0:
+            raise ValueError("chunk size must be positive")
+        cache_bytes = await self._call(b.open_session, req.session_id, req.n_ctx)
+        s = HopSession(open=req, node_id=self.node_id)
+        if s.is_tail:
+            s.decoder = self.tokenizer.stream_decoder()
+            s.progress = GenerationProgress(
+                req.session_id, route.route_id, route.model_preset, [h.node_id for h in route.hops], req.prompt_tokens
+            )
+        self.sessions.add(s)
+        await self._bind(route, req.hop_index)
+        self._update_gauges()
+        return M.SessionOpened(
+            session_id=req.session_id, route_id=route.route_id, node_id=self.node_id,
+            hop_index=req.hop_index, layer_start=hop.layer_start, layer_end=hop.layer_end, cache_bytes=cache_bytes,
+        )
+
+    async def _close(self, session_id: str) -> int:
+        s = self.sessions.pop(session_id)
+        if s is None:
+            return 0
+        freed = await self._call(self.backend.cache_bytes, session_id)
+        await self._call(self.backend.close_session, session_id)
+        if s.route.route_id not in self.sessions.routes():
+            await self._unbind(s.route.route_id)
+        self._update_gauges()
+        return freed
+
+    def _sessions_report(self) -> M.SessionsReport:
+        now = time.monotonic()
+        infos = [
+            M.SessionInfo(
+                session_id=s.session_id, route_id=s.route.route_id, hop_index=s.hop_index,
+                position=s.position, cache_bytes=self.backend.cache_bytes(s.session_id),
+                idle_seconds=round(now - s.last_used, 3),
+            )
+            for s in self.sessions
+        ]
+        return M.SessionsReport(
+            node_id=self.node_id, sessions=infos, cache_bytes_total=sum(i.cache_bytes for i in infos),
+            backend_forward_calls=self.backend.forward_calls, rejected=dict(self._rejected),
+        )
+
+    # ------------------------------------------------------------------ consumers
+
+    async def _bind(self, route: M.RouteAssignment, hop_index: int) -> None:
+        if route.route_id in self._route_subs:
+            return
+        subs = []
+        for phase, stream, pending, queue in (
+            ("decode", S.STREAM_DECODE, self.opts.decode_ack_pending, self._decode_q),
+            ("prefill", S.STREAM_PREFILL, 1, self._prefill_q),
+        ):
+            async def enqueue(msg: Msg, queue=queue) -> None:
+                queue.append(msg)
+                self._work.set()
+
+            subs.append(
+                await self.js.subscribe(
+                    S.hop_input(route.route_id, hop_index, phase),
+                    stream=stream,
+                    cb=enqueue,
+                    manual_ack=True,
+                    pending_msgs_limit=-1,
+                    config=ConsumerConfig(
+                        ack_policy=AckPolicy.EXPLICIT,
+                        deliver_policy=DeliverPolicy.ALL,
+                        max_ack_pending=pending,
+                        ack_wait=120.0,
+                        inactive_threshold=30.0,
+                    ),
+                )
+            )
+        self._route_subs[route.route_id] = subs
+
+    async def _unbind(self, route_id: str) -> None:
+        for sub in self._route_subs.pop(route_id, []):
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection already closing
+                pass
+
+    # ------------------------------------------------------------------ data plane
+
+    async def _process_loop(self) -> None:
+        while True:
+            await self._work.wait()
+            self._work.clear()
+            while self._decode_q or self._prefill_q:
+                try:
+                    if self._decode_q:
+                        batch = [self._decode_q.popleft() for _ in range(min(len(self._decode_q), self.opts.max_decode_batch))]
+                        await self._handle(batch, "decode")
+                    else:
+                        await self._handle([self._prefill_q.popleft()], "prefill")
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # never let one message kill the loop
+                    log.exception("worker %s: unexpected error while processing", self.node_id)
+
+    def _admit(self, msg: Msg, phase: str) -> tuple[HopSession, M.ActivationHeader, np.ndarray] | None:
+        """Decode and check one message; reject (and say so) before any model work."""
+        self.metrics.seam(phase, "in", len(msg.data))
+        try:
+            header, x = codec.decode(msg.headers, msg.data, max_body=self.opts.max_body)
+            if header.phase != phase:
+                raise SessionMismatch("wrong_phase", f"{header.phase} message on the {phase} subject")
+            s = self.sessions.check(header)
+            return s, header, x
+        except (MalformedMessage, SessionMismatch) as exc:
+            self._reject(msg, exc.reason, str(exc))
+            return None
+
+    def _reject(self, msg: Msg, reason: str, text: str) -> None:
+        self.metrics.rejected.labels(reason).inc()
+        self._rejected[reason] = self._rejected.get(reason, 0) + 1
+        sid = (msg.headers or {}).get("session_id", "")
+        asyncio.create_task(msg.term())
+        try:
+            subject = S.session_error(sid)
+        except ValueError:
+            return  # no usable session id: counted, nobody to tell
+        s = self.sessions.get(sid)
+        err = M.SessionError(
+            session_id=sid, route_id=(msg.headers or {}).get("route_id", ""), phase=s.phase if s else "failed",
+            code=reason, message=f"{self.node_id}: rejected message: {text}", node_id=self.node_id, fatal=False,
+        )
+        asyncio.create_task(self.nc.publish(subject, M.encode(err)))
+
+    async def _handle(self, msgs: list[Msg], phase: str) -> None:
+        work = [(m, a) for m in msgs if (a := self._admit(m, phase)) is not None]
+        if work:
+            await self._run(work, phase)
+
+    async def _run(self, work: list[tuple[Msg, tuple]], phase: str) -> None:
+        try:
+            outs = await self._compute([a for _, a in work], phase)
+        except Exception as exc:
+            if len(work) > 1:  # a batch failed as a whole: run one by one so only the bad session fails
+                for item in work:
+                    await self._run([item], phase)
+                return
+            (m, (s, _, _)), = work
+            if getattr(exc, "reason", None) == "bad_input":  # the backend refused it before any model work
+                self._reject(m, "bad_input", str(exc))
+                return
+            await self._fail(s, "backend_error", str(exc))
+            await m.term()
+            return
+        for (m, (s, header, x)), out in zip(work, outs):
+            s.position += x.shape[0]
+            s.seq += 1
+            s.last_used = time.monotonic()
+            await self._forward(s, header, x.shape[0], out)
+            await m.ack()
+
+    async def _compute(self, items, phase: str) -> list[np.ndarray]:
+        b = self.backend
+
+        def run():
+            if self.opts.slow_ms:
+                time.sleep(self.opts.slow_ms / 1000.0)
+            if phase == "decode" and len(items) > 1:
+                return b.decode_batch([(s.session_id, h.position, x) for s, h, x in items])
+            s, h, x = items[0]
+            fn = b.decode_step if phase == "decode" else b.prefill
+            return [fn(s.session_id, h.position, x)]
+
+        outs = await self._call(run)
+        self.metrics.backend_calls.labels(phase).inc()
+        n = sum(x.shape[0] for _, _, x in items)
+        self.metrics.tokens.labels(phase).inc(n)
+        self._tokens_window.append((time.monotonic(), phase, n))
+        return outs
+
+    async def _forward(self, s: HopSession, header: M.ActivationHeader, n: int, out: np.ndarray) -> None:
+        """Send a hop's output on: hidden states to the next hop, or a sampled token at the tail."""
+        if not s.is_tail:
+            nxt = s.header(s.hop_index + 1, header.position, header.phase, s.out_seq, s.route.wire_dtype)
+            headers, body = codec.encode(nxt, out, max_body=self.opts.max_body)
+            await publish(self.js, S.hop_input(s.route.route_id, s.hop_index + 1, header.phase), body, headers)
+            s.out_seq += 1
+            self.metrics.seam(header.phase, "out", len(body))
+            return
+        end = header.position + n
+        if end < s.open.prompt_tokens:  # a prefill chunk that is not the last: progress only
+            s.progress.prefill(end)
+            await self._telemetry(s)
+            return
+        await self._emit_token(s, out, end)
+
+    async def _emit_token(self, s: HopSession, logits: np.ndarray, position: int) -> None:
+        params = s.open.sampling
+        index = len(s.generated)
+        pick = sample(logits, params, index, TOP_LOGPROBS if params.logprobs else 0)
+        s.generated.append(pick.token_id)
+        s.progress.token()
+        text = s.decoder.push(pick.token_id)
+        finish = None
+        if self.tokenizer.is_end_of_generation(pick.token_id):
+            finish, text = "stop", text + s.decoder.flush()
+        else:
+            combined = s.text + text
+            for stop in params.stop:
+                cut = combined.find(stop, max(0, len(s.text) - len(stop)))
+                if stop and cut >= 0:
+                    finish, text = "stop", combined[:cut][len(s.text):]
+                    break
+            if finish is None and len(s.generated) >= params.max_tokens:
+                finish, text = "length", text + s.decoder.flush()
+        s.text += text
+        top = None
+        if pick.top_logprobs is not None:
+            top = {self.tokenizer.piece(t).decode("utf-8", "replace"): lp for t, lp in pick.top_logprobs.items()}
+        delta = M.TokenDelta(
+            session_id=s.session_id, index=index, token_id=pick.token_id, text=text,
+            logprob=pick.logprob if params.logprobs else None, top_logprobs=top,
+            finished=finish is not None, finish_reason=finish,
+        )
+        await self.js.publish(S.session_tokens(s.session_id), M.encode(delta))
+        if finish is None:
+            head = s.header(0, position, "decode", s.n_prefill_chunks + index, "i32")
+            headers, body = codec.encode(head, np.array([pick.token_id], dtype=np.int32))
+            await publish(self.js, S.hop_input(s.route.route_id, 0, "decode"), body, headers)
+            self.metrics.seam("decode", "out", len(body))
+            if s.progress.due():
+                await self._telemetry(s)
+        else:
+            s.finished = True
+            s.progress.finish("done")
+            await self._telemetry(s)
+
+    async def _telemetry(self, s: HopSession) -> None:
+        await self.js.publish(s.progress.subject, M.encode(s.progress.snapshot()))
+
+    async def _fail(self, s: HopSession, code: str, message: str) -> None:
+        """A fatal session error: tell the client, free this hop's cache."""
+        err = M.SessionError(
+            session_id=s.session_id, route_id=s.route.route_id, phase=s.phase, code=code,
+            message=f"{self.node_id}: {message}", node_id=self.node_id, position=s.position, fatal=True,
+        )
+        await self.nc.publish(S.session_error(s.session_id), M.encode(err))
+        if s.progress:
+            s.progress.finish("failed", f"{code}: {message}")
+            await self._telemetry(s)
+        await self._close(s.session_id)
+
+    # ------------------------------------------------------------------ heartbeats, reaping
+
+    def _update_gauges(self) -> None:
+        self.metrics.sessions_active.set(len(self.sessions))
+        self.metrics.cache_bytes.set(sum(self.backend.cache_bytes(s.session_id) for s in self.sessions))
+
+    def _measured_tps(self, phase: str) -> float:
+        now = time.monotonic()
+        while self._tokens_window and now - self._tokens_window[0][0] > 10.0:
+            self._tokens_window.popleft()
+        n = sum(k for t, p, k in self._tokens_window if p == phase)
+        if n < 8:  # not enough real work yet: the self-benchmark stands
+            return self.report.decode_tokens_per_second if phase == "decode" else self.report.prefill_tokens_per_second
+        return n / 10.0
+
+    async def _heartbeat(self) -> None:
+        self._hb_seq += 1
+        hb = M.NodeHeartbeat(
+            node_id=self.node_id, seq=self._hb_seq, ts=time.time(),
+            layer_start=self.report.layer_start, layer_end=self.report.layer_end, cache_abi=self.report.cache_abi,
+            sessions_active=len(self.sessions),
+            cache_bytes=int(self.metrics.value("neuron_cache_bytes")),
+            queue_depth=len(self._decode_q) + len(self._prefill_q),
+            prefill_tokens_per_second=self._measured_tps("prefill"),
+            decode_tokens_per_second=self._measured_tps("decode"),
+            memory_pressure=psutil.virtual_memory().percent / 100.0,
+            cache_warmth=min(1.0, len(self.sessions) / 8.0),
+        )
+        await self.nc.publish(S.node_heartbeat(self.node_id), M.encode(hb))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.opts.heartbeat_interval)
+            try:
+                await self._heartbeat()
+            except Exception:
+                log.warning("worker %s: heartbeat failed", self.node_id, exc_info=True)
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(10.0, max(0.5, self.opts.idle_timeout / 4)))
+            now = time.monotonic()
+            for s in list(self.sessions):
+                if now - s.last_used > self.opts.idle_timeout:
+                    await self._fail(s, "idle_timeout", f"session idle for more than {self.opts.idle_timeout:.0f}s; cache freed")

@@ -1,0 +1,134 @@
+"""A hop's session table: what it expects of the next message of every session it serves.
+
+`SessionTable.check` compares an activation's session state key with the table *before* any
+model work; a mismatch raises :class:`~neuron_bus.errors.SessionMismatch` whose reason is the
+metrics label (unknown_session, wrong_route, wrong_key, wrong_layers, wrong_phase, replayed,
+position_gap, out_of_order).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from neuron_bus import messages as M
+from neuron_bus.errors import SessionMismatch
+from neuron_bus.routes import hop_header
+from neuron_bus.telemetry import GenerationProgress
+
+
+@dataclass
+class HopSession:
+    open: M.SessionOpen
+    node_id: str
+    position: int = 0  # next position this hop expects
+    seq: int = 0  # next input sequence number
+    out_seq: int = 0  # next sequence number this hop sends downstream
+    generated: list[int] = field(default_factory=list)  # tail only
+    text: str = ""  # tail only: generated text so far
+    decoder: object = None  # tail only: incremental text decoder
+    progress: GenerationProgress | None = None  # tail only
+    finished: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def session_id(self) -> str:
+        return self.open.session_id
+
+    @property
+    def route(self) -> M.RouteAssignment:
+        return self.open.route
+
+    @property
+    def hop_index(self) -> int:
+        return self.open.hop_index
+
+    @property
+    def hop(self) -> M.RouteHop:
+        return self.route.hops[self.hop_index]
+
+    @property
+    def is_head(self) -> bool:
+        return self.hop_index == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.hop_index == len(self.route.hops) - 1
+
+    @property
+    def n_prefill_chunks(self) -> int:
+        return math.ceil(self.open.prompt_tokens / self.open.chunk_size)
+
+    @property
+    def phase(self) -> str:
+        return "prefill" if self.position < self.open.prompt_tokens else "decode"
+
+    def header(self, hop_index: int, position: int, phase: str, seq: int, dtype: str) -> M.ActivationHeader:
+        """The state key for a message this session sends to ``hop_index``."""
+        return hop_header(self.route, hop_index, self.session_id, position, phase, seq, dtype)
+
+
+class SessionTable:
+    def __init__(self) -> None:
+        self._sessions: dict[str, HopSession] = {}
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self):
+        return iter(list(self._sessions.values()))
+
+    def add(self, s: HopSession) -> None:
+        self._sessions[s.session_id] = s
+
+    def get(self, session_id: str) -> HopSession | None:
+        return self._sessions.get(session_id)
+
+    def pop(self, session_id: str) -> HopSession | None:
+        return self._sessions.pop(session_id, None)
+
+    def routes(self) -> set[str]:
+        return {s.route.route_id for s in self._sessions.values()}
+
+    def check(self, h: M.ActivationHeader) -> HopSession:
+        s = self._sessions.get(h.session_id)
+        if s is None:
+            raise SessionMismatch("unknown_session", f"unknown or closed session {h.session_id}")
+        hop = s.hop
+        if h.route_id != s.route.route_id:
+            raise SessionMismatch(
+                "wrong_route", f"session {h.session_id} runs on route {s.route.route_id}, message says {h.route_id}"
+            )
+        for name, want in (
+            ("model_preset", s.route.model_preset),
+            ("model_revision", s.route.model_revision),
+            ("backend_id", hop.backend_id),
+            ("cache_abi", hop.cache_abi),
+        ):
+            if getattr(h, name) != want:
+                raise SessionMismatch("wrong_key", f"session {h.session_id}: {name} is {want!r}, message says {getattr(h, name)!r}")
+        if (h.layer_start, h.layer_end) != (hop.layer_start, hop.layer_end):
+            raise SessionMismatch(
+                "wrong_layers",
+                f"session {h.session_id}: this hop runs layers [{hop.layer_start}, {hop.layer_end}), "
+                f"message is for [{h.layer_start}, {h.layer_end})",
+            )
+        if h.phase != s.phase:
+            raise SessionMismatch("wrong_phase", f"session {h.session_id} is in {s.phase}, message is {h.phase}")
+        if h.seq < s.seq:
+            raise SessionMismatch("replayed", f"session {h.session_id}: seq {h.seq} was already processed (next is {s.seq})")
+        if h.seq > s.seq:
+            raise SessionMismatch("out_of_order", f"session {h.session_id}: seq {h.seq} arrived before {s.seq}")
+        if h.position != s.position:
+            reason = "replayed" if h.position < s.position else "position_gap"
+            raise SessionMismatch(reason, f"session {h.session_id}: position {h.position}, expected {s.position}")
+        n = h.shape[0] if h.shape else 0
+        if h.phase == "decode" and n != 1:
+            raise SessionMismatch("wrong_phase", f"session {h.session_id}: a decode step carries one position, got {n}")
+        if h.phase == "prefill" and not 0 < n <= s.open.chunk_size:
+            raise SessionMismatch("wrong_phase", f"session {h.session_id}: prefill chunk of {n} positions (chunk size {s.open.chunk_size})")
+        return s
