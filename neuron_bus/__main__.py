@@ -1,0 +1,3 @@
+from neuron_bus.cli import main
+
+main()

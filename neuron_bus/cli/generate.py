@@ -1,0 +1,131 @@
+"""`neuron-bus generate` and `neuron-bus sessions`: a client of a running bus."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from neuron_bus import messages as M
+from neuron_bus.cli.app import NatsOption, app, fail
+from neuron_bus.client import NeuronClient, RouteError
+from neuron_bus.models import DEFAULT_PRESET
+
+
+async def run_generation(
+    url: str, prompt: str, *, chat: bool, sampling: M.SamplingParams, model: str, wire_dtype: str,
+    encoding: str, chunk_size: int, as_json: bool, out=sys.stdout,
+) -> dict:
+    """Stream one generation: text to ``out``, a progress bar and tok/s to stderr."""
+    err = Console(stderr=True)
+    async with await NeuronClient.connect(url) as client:
+        route = await client.route(model, wire_dtype, encoding)
+        req = M.TokenizeRequest(messages=[{"role": "user", "content": prompt}]) if chat else M.TokenizeRequest(text=prompt)
+        tok = await client.control(route.hops[0].node_id, req)
+        tokens, text = [], []
+        finish = None
+        started = time.monotonic()
+        first = None
+        with Progress(
+            TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err, transient=True,
+            disable=as_json or not err.is_terminal,
+        ) as bar:
+            task = bar.add_task("prefill", total=len(tok.tokens), rate="")
+            async for ev in client.generate(
+                prompt_tokens=tok.tokens, route=route, sampling=sampling, model_preset=model, chunk_size=chunk_size,
+            ):
+                if isinstance(ev, M.GenerationTelemetry):
+                    if ev.phase == "prefill":
+                        bar.update(task, completed=ev.prefill_tokens_done, description="prefill")
+                    elif ev.phase == "decode":
+                        bar.update(task, completed=ev.generated_tokens, total=sampling.max_tokens, description="decode",
+                                   rate=f"{ev.rolling_tokens_per_second:.1f} tok/s")
+                    continue
+                first = first or time.monotonic()
+                tokens.append(ev.token_id)
+                text.append(ev.text)
+                finish = ev.finish_reason
+                if not as_json:
+                    out.write(ev.text)
+                    out.flush()
+                bar.update(task, completed=len(tokens), total=sampling.max_tokens, description="decode")
+        elapsed = time.monotonic() - started
+    rate = (len(tokens) - 1) / (time.monotonic() - first) if first and len(tokens) > 1 else 0.0
+    result = {
+        "route_id": route.route_id, "nodes": [h.node_id for h in route.hops],
+        "prompt_tokens": tok.tokens, "tokens": tokens, "text": "".join(text), "finish_reason": finish,
+        "decode_tokens_per_second": round(rate, 2), "elapsed_s": round(elapsed, 3),
+    }
+    if as_json:
+        out.write(json.dumps(result) + "\n")
+    else:
+        out.write("\n")
+        err.print(f"[dim]{len(tokens)} tokens, {rate:.1f} tok/s, route {' -> '.join(result['nodes'])}, finish: {finish}[/dim]")
+    return result
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt."),
+    nats: str = NatsOption,
+    max_tokens: int = typer.Option(64, min=1, max=32768, help="Tokens to generate at most."),
+    wire_dtype: str = typer.Option("f32", help="Activation dtype between hops: f32 | bf16."),
+    zstd: bool = typer.Option(False, help="Compress activations with zstd level 1."),
+    chunk_size: int = typer.Option(256, min=1, help="Prefill chunk size in tokens."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_k: int = typer.Option(0),
+    top_p: float = typer.Option(1.0),
+    seed: int = typer.Option(0),
+    stop: list[str] = typer.Option([], help="Stop strings (repeatable)."),
+    model: str = typer.Option(DEFAULT_PRESET, help="Model preset to route for."),
+    chat: bool = typer.Option(False, help="Wrap the prompt in the model's chat template."),
+    as_json: bool = typer.Option(False, "--json", help="Print token ids and text as JSON."),
+) -> None:
+    """Stream a generation from a running bus."""
+    if wire_dtype not in ("f32", "bf16"):
+        fail("--wire-dtype must be f32 or bf16")
+    sampling = M.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=stop)
+    try:
+        asyncio.run(run_generation(
+            nats, prompt, chat=chat, sampling=sampling, model=model, wire_dtype=wire_dtype,
+            encoding="zstd" if zstd else "raw", chunk_size=chunk_size, as_json=as_json,
+        ))
+    except RouteError as exc:
+        where = f" at node {exc.node_id}" if exc.node_id else ""
+        fail(f"generation failed in phase {exc.phase}{where}: {exc.reason}: {exc}")
+    except OSError as exc:
+        fail(f"cannot reach the bus at {nats}: {exc}")
+
+
+@app.command()
+def sessions(
+    node: str = typer.Argument(..., help="Node id."),
+    nats: str = NatsOption,
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """A node's active sessions and cache bytes by session."""
+
+    async def query():
+        async with await NeuronClient.connect(nats) as client:
+            return await client.sessions(node)
+
+    try:
+        report = asyncio.run(query())
+    except RouteError as exc:
+        fail(str(exc))
+    if as_json:
+        typer.echo(M.encode(report).decode())
+        return
+    table = Table(title=f"{report.node_id}: {len(report.sessions)} sessions, {report.cache_bytes_total} cache bytes")
+    for col in ("session", "route", "hop", "position", "cache bytes", "idle s"):
+        table.add_column(col)
+    for s in report.sessions:
+        table.add_row(s.session_id, s.route_id, str(s.hop_index), str(s.position), str(s.cache_bytes), f"{s.idle_seconds:.1f}")
+    Console().print(table)

@@ -1,0 +1,68 @@
+"""`neuron-bus up`: a local swarm on the embedded default, until interrupted."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import tempfile
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from neuron_bus import messages as M
+from neuron_bus import models
+from neuron_bus.cli.app import app, fail
+from neuron_bus.cli.server import wait_for_signal
+from neuron_bus.errors import NeuronBusError
+from neuron_bus.local_swarm import LocalSwarm
+
+
+@app.command()
+def up(
+    model: str = typer.Option(models.DEFAULT_PRESET, help="GGUF path or preset."),
+    shards: int = typer.Option(2, min=1, help="Workers; the layers are split evenly."),
+    backend: str = typer.Option("llama-cpp", help="llama-cpp | torch"),
+    threads: int = typer.Option(1, min=1, help="Threads per worker."),
+    nats_port: int = typer.Option(4222, help="Client port of the embedded nats-server."),
+    http_port: int = typer.Option(8222, help="Monitoring port of the embedded nats-server."),
+    workdir: Path = typer.Option(None, help="Store and logs (default: a temporary directory)."),
+    prompt: str = typer.Option(None, help="Once up, stream one generation of this prompt."),
+    max_tokens: int = typer.Option(48, help="Tokens for --prompt."),
+) -> None:
+    """Start nats-server, a tracker and N workers on this machine; stop them all on Ctrl-C."""
+    console = Console(stderr=True)
+    try:
+        path = models.resolve(model)
+    except models.UnknownModel as exc:
+        fail(str(exc))
+    work = workdir or Path(tempfile.mkdtemp(prefix="neuron-bus-up-"))
+    swarm = LocalSwarm(path, shards, backend=backend, threads=threads, workdir=work, nats_port=nats_port, http_port=http_port)
+    try:
+        with console.status("starting the swarm") as status:
+            swarm.start(on_step=lambda text: status.update(f"starting: {text}"))
+    except NeuronBusError as exc:
+        swarm.stop()
+        fail(f"{exc} (logs in {work})")
+    except BaseException:
+        swarm.stop()
+        raise
+    console.print(f"[green]swarm up[/green]: {swarm.preset}, {len(swarm.workers)} workers on {swarm.url}; logs in {work}")
+    for w in swarm.workers:
+        console.print(f"  {w.node_id}: layers {w.layers[0]}-{w.layers[1] - 1}")
+    console.print(f'try: neuron-bus generate "Tell me about the sea" --nats {swarm.url}    (Ctrl-C here stops the swarm)')
+    try:
+        if prompt:
+            from neuron_bus.cli.generate import run_generation
+
+            asyncio.run(run_generation(
+                swarm.url, prompt, chat=True, sampling=M.SamplingParams(max_tokens=max_tokens), model=swarm.preset,
+                wire_dtype="f32", encoding="raw", chunk_size=256, as_json=False,
+            ))
+        wait_for_signal()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        console.print("stopping the swarm")
+        swarm.stop()

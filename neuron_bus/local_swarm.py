@@ -1,0 +1,176 @@
+"""A swarm on this machine: the embedded nats-server, a tracker and N workers, as real processes.
+
+Used by `neuron-bus up`, the benchmarks and the integration tests alike. Layers are split evenly;
+each worker gets its own thread budget (one by default: several processes share few cores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from neuron_bus import messages as M
+from neuron_bus.artifacts.gguf_model import GGUFModel, format_layers
+from neuron_bus.errors import NeuronBusError
+from neuron_bus.models import preset_for
+from neuron_bus.natsserver import NatsServer, ServerConfig, free_port
+from neuron_bus.topology import connect, ensure_topology
+
+
+def even_split(n_layers: int, shards: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of nearly equal size covering n_layers."""
+    if not 1 <= shards <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {shards} shards")
+    bounds = [round(i * n_layers / shards) for i in range(shards + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def cli() -> list[str]:
+    return [sys.executable, "-m", "neuron_bus"]
+
+
+@dataclass
+class WorkerSpec:
+    layers: tuple[int, int]
+    node_id: str
+    extra: list[str] = field(default_factory=list)
+
+
+class LocalSwarm:
+    def __init__(
+        self,
+        model_path: Path,
+        shards: int = 2,
+        *,
+        backend: str = "llama-cpp",
+        threads: int = 1,
+        workdir: Path,
+        nats_port: int | None = None,
+        http_port: int | None = None,
+        ranges: list[tuple[int, int]] | None = None,
+        worker_extra: dict[int, list[str]] | None = None,
+        tracker_extra: list[str] | None = None,
+        prefill_window: int | None = None,
+    ):
+        self.model_path = Path(model_path)
+        self.preset = preset_for(self.model_path)
+        self.n_layers = GGUFModel(self.model_path).n_layers
+        self.backend = backend
+        self.threads = threads
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.server = NatsServer(
+            ServerConfig(
+                store_dir=self.workdir / "nats", port=nats_port or free_port(), http_port=http_port or free_port()
+            )
+        )
+        self.prefill_window = prefill_window
+        ranges = ranges or even_split(self.n_layers, shards)
+        self.workers = [
+            WorkerSpec(r, f"worker-{i}", list((worker_extra or {}).get(i, []))) for i, r in enumerate(ranges)
+        ]
+        self.tracker_extra = tracker_extra or []
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "ab")
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(cli() + args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start_worker(self, spec: WorkerSpec) -> subprocess.Popen:
+        return self._spawn(
+            spec.node_id,
+            ["worker", "--model", str(self.model_path), "--layers", format_layers(*spec.layers),
+             "--backend", self.backend, "--nats", self.url, "--threads", str(self.threads),
+             "--node-id", spec.node_id, *spec.extra],
+        )
+
+    def start(self, timeout: float = 180.0, on_step=None) -> "LocalSwarm":
+        step = on_step or (lambda text: None)
+        step(f"nats-server on {self.url}")
+        self.server.start()
+        kw = {"prefill_window": self.prefill_window} if self.prefill_window else {}
+        asyncio.run(self._provision(**kw))
+        step("tracker")
+        self._spawn("tracker", ["tracker", "--nats", self.url, *self.tracker_extra])
+        for spec in self.workers:
+            step(f"worker {spec.node_id}: layers {format_layers(*spec.layers)}")
+            self.start_worker(spec)
+        step("waiting for a complete route")
+        self.wait_ready(timeout)
+        return self
+
+    async def _provision(self, **kw) -> None:
+        nc = await connect(self.url, max_reconnect_attempts=3)
+        try:
+            await ensure_topology(nc.jetstream(), **kw)
+        finally:
+            await nc.close()
+
+    def wait_ready(self, timeout: float) -> M.RouteAssignment:
+        """Block until the tracker hands out a route over every worker's layers."""
+        deadline = time.monotonic() + timeout
+        want = sorted(s.layers for s in self.workers)
+        last = "no answer"
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise NeuronBusError("swarm_failed", f"{name} exited with {proc.returncode}: {self.log_tail(name)}")
+            try:
+                route = asyncio.run(self._route())
+                if sorted((h.layer_start, h.layer_end) for h in route.hops) == want:
+                    return route
+                last = f"route covers {[(h.layer_start, h.layer_end) for h in route.hops]}"
+            except Exception as exc:
+                last = str(exc)
+            time.sleep(0.5)
+        raise NeuronBusError("swarm_not_ready", f"swarm not ready after {timeout:.0f}s: {last}")
+
+    async def _route(self) -> M.RouteAssignment:
+        from neuron_bus.client import NeuronClient
+
+        async with await NeuronClient.connect(self.url) as client:
+            return await client.route(self.preset)
+
+    def log_tail(self, name: str, n: int = 8) -> str:
+        try:
+            return " | ".join((self.workdir / f"{name}.log").read_text(errors="replace").strip().splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.get(name)
+        if proc and proc.poll() is None:
+            proc.send_signal(sig)
+            proc.wait(10)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self.server.stop()
+
+    def __enter__(self) -> "LocalSwarm":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
