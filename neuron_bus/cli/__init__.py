@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from neuron_bus.cli.app import app
-from neuron_bus.cli import server  # noqa: F401  (registers commands)
+from neuron_bus.cli import generate, server, up, worker  # noqa: F401  (registers commands)
+from neuron_bus.cli import tracker as _tracker  # noqa: F401  (registers tracker, coverage)
 from neuron_bus.cli.artifact import artifact_app
 
 app.add_typer(artifact_app, name="artifact")

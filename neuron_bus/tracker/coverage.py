@@ -1,0 +1,149 @@
+"""The coverage map: per model group and layer, live replicas, measured capacity and status.
+
+Status of a layer (only usable nodes count: alive, ready, consistent):
+- ``gap``: no replica.
+- ``under-provisioned``: covered, but one failure or one straggler away from unusable; any of
+  * fewer replicas than ``min_replicas`` (default 2: a single replica is a single point of failure),
+  * every replica is slow (speed.is_slow: ``slow_factor`` times the group's reference speed),
+  * measured capacity (sum of the replicas' decode tok/s) under ``min_capacity_tokens_per_second``
+    (checked only when every replica has a measured throughput).
+- ``covered``: otherwise.
+
+The rebalancing hint names the half-open range a joining node should take: the largest gap if
+any, else the under-provisioned run with the least capacity, else the run with the least
+capacity; widened to boundaries where routes can actually join it (a chain from layer 0 ends at
+its start, and a chain to the last layer starts at its end), so the new node is routable.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from neuron_bus.messages import CoverageReport, LayerCoverage, ModelCoverage, RebalanceHint, TrackedNode
+from neuron_bus.tracker import layers, speed
+from neuron_bus.tracker.params import TrackerParams
+from neuron_bus.tracker.view import NodeView, Numerics
+
+
+def coverage_report(
+    views: Sequence[NodeView], now: float, params: TrackerParams = TrackerParams(), model_preset: str | None = None
+) -> CoverageReport:
+    chosen = [v for v in views if model_preset is None or v.caps.model_preset == model_preset]
+    groups: dict[Numerics, list[NodeView]] = defaultdict(list)
+    for v in chosen:
+        groups[v.numerics].append(v)
+    return CoverageReport(
+        generated_at=now,
+        expiry_seconds=params.expiry,
+        min_replicas=params.min_replicas,
+        min_capacity_tokens_per_second=params.min_capacity_tokens_per_second,
+        slow_factor=params.slow_factor,
+        models=[model_coverage(numerics, groups[numerics], params) for numerics in sorted(groups)],
+        nodes=tracked_nodes(chosen, params),
+    )
+
+
+def model_coverage(numerics: Numerics, nodes: Sequence[NodeView], params: TrackerParams) -> ModelCoverage:
+    n = numerics.n_layers_total
+    usable = [v for v in nodes if v.usable]
+    reference = speed.reference_seconds_per_layer(usable)
+    layer_rows = [layer_coverage(i, [v for v in usable if v.layer_start <= i < v.layer_end], reference, params) for i in range(n)]
+    return ModelCoverage(
+        model_preset=numerics.model_preset,
+        model_revision=numerics.model_revision,
+        backend_id=numerics.backend_id,
+        cache_abi=numerics.cache_abi,
+        n_layers_total=n,
+        layers=layer_rows,
+        nodes_live=sorted(v.node_id for v in nodes if v.alive),
+        nodes_expired=sorted(v.node_id for v in nodes if not v.alive),
+        hint=rebalance_hint(layer_rows, [(v.layer_start, v.layer_end) for v in usable], n),
+    )
+
+
+def layer_coverage(layer: int, replicas: Sequence[NodeView], reference: float | None, params: TrackerParams) -> LayerCoverage:
+    capacity = sum(v.decode_tps or 0.0 for v in replicas)
+    reasons = []
+    if replicas and len(replicas) < params.min_replicas:
+        reasons.append("single replica" if len(replicas) == 1 else f"{len(replicas)} replicas < {params.min_replicas}")
+    if replicas and all(speed.is_slow(v, reference, params) for v in replicas):
+        reasons.append(f"only slow replicas (>{params.slow_factor:g}x the group's time per layer)")
+    measured = all(v.decode_tps for v in replicas)
+    if replicas and measured and capacity < params.min_capacity_tokens_per_second:
+        reasons.append(f"capacity {capacity:.1f} tok/s < {params.min_capacity_tokens_per_second:g}")
+    status = "gap" if not replicas else "under-provisioned" if reasons else "covered"
+    return LayerCoverage(
+        layer=layer,
+        status=status,
+        replicas=sorted(v.node_id for v in replicas),
+        capacity_tokens_per_second=round(capacity, 3),
+        reasons=reasons,
+    )
+
+
+def spans(rows: Sequence[LayerCoverage]) -> list[tuple[int, int, LayerCoverage]]:
+    """Consecutive layers with the same status, replicas and reasons, as (start, end, first row)."""
+    out: list[tuple[int, int, LayerCoverage]] = []
+    for row in rows:
+        same = out and out[-1][1] == row.layer and _signature(out[-1][2]) == _signature(row)
+        if same:
+            out[-1] = (out[-1][0], row.layer + 1, out[-1][2])
+        else:
+            out.append((row.layer, row.layer + 1, row))
+    return out
+
+
+def _signature(row: LayerCoverage):
+    return (row.status, tuple(row.replicas), tuple(row.reasons), row.capacity_tokens_per_second)
+
+
+def rebalance_hint(rows: Sequence[LayerCoverage], ranges: Sequence[tuple[int, int]], n: int) -> RebalanceHint | None:
+    if n <= 0 or not rows:
+        return None
+    runs = [(a, b, row) for a, b, row in spans(rows)]
+    gaps = [r for r in runs if r[2].status == "gap"]
+    weak = [r for r in runs if r[2].status == "under-provisioned"]
+    if gaps:
+        a, b, _ = max(gaps, key=lambda r: (r[1] - r[0], -r[0]))
+        why = f"coverage gap: no live node serves layers {layers.spell(a, b)}"
+    else:
+        pool = weak or runs
+        a, b, row = min(pool, key=lambda r: (r[2].capacity_tokens_per_second, len(r[2].replicas), r[0]))
+        label = "under-provisioned" if weak else "least capacity"
+        detail = "; ".join(row.reasons) or f"{len(row.replicas)} replicas"
+        why = f"{label}: layers {layers.spell(a, b)} ({detail}; {row.capacity_tokens_per_second:g} tok/s)"
+    start = max(x for x in layers.reachable_from_start(ranges) if x <= a)
+    end = min(y for y in layers.reaching_end(ranges, n) if y >= b)
+    if (start, end) != (a, b):
+        why += f"; widened to {layers.spell(start, end)} so routes can chain through it"
+    return RebalanceHint(layer_start=start, layer_end=end, reason=why)
+
+
+def tracked_nodes(views: Sequence[NodeView], params: TrackerParams) -> list[TrackedNode]:
+    groups: dict[Numerics, list[NodeView]] = defaultdict(list)
+    for v in views:
+        groups[v.numerics].append(v)
+    reference = {k: speed.reference_seconds_per_layer([v for v in vs if v.usable]) for k, vs in groups.items()}
+    return [
+        TrackedNode(
+            node_id=v.node_id,
+            model_preset=v.caps.model_preset,
+            layer_start=v.layer_start,
+            layer_end=v.layer_end,
+            backend_id=v.caps.backend_id,
+            cache_abi=v.caps.cache_abi,
+            alive=v.alive,
+            status=v.status if v.alive else "expired",
+            seconds_since_heartbeat=None if v.seconds_since_heartbeat is None else round(v.seconds_since_heartbeat, 3),
+            decode_tokens_per_second=v.decode_tps,
+            prefill_tokens_per_second=v.prefill_tps,
+            sessions_active=v.sessions_active,
+            recently_assigned=v.recently_assigned,
+            queue_depth=v.queue_depth,
+            route_failure_rate=v.failure_rate,
+            rtt_ms=None if v.rtt is None else round(v.rtt * 1000, 3),
+            slow=speed.is_slow(v, reference[v.numerics], params),
+        )
+        for v in sorted(views, key=lambda v: (v.caps.model_preset, v.layer_start, v.node_id))
+    ]

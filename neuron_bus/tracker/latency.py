@@ -1,0 +1,33 @@
+"""Round trips from the tracker to nodes, measured with a Ping on each node's control subject."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+
+import nats
+import nats.errors
+
+from neuron_bus import messages
+from neuron_bus import subjects as S
+from neuron_bus.errors import MalformedMessage
+
+
+async def ping(nc: nats.NATS, node_id: str, timeout: float = 1.0) -> float | None:
+    """Seconds for a Ping to ``node_id`` and its Pong back, or None without a valid answer."""
+    t0 = time.perf_counter()
+    try:
+        msg = await nc.request(S.node_control(node_id), messages.encode(messages.Ping(sent_at=time.time())), timeout=timeout)
+        reply = messages.decode(msg.data, messages.ControlReply)
+    except (nats.errors.Error, asyncio.TimeoutError, MalformedMessage):
+        return None
+    if not isinstance(reply, messages.Pong) or reply.node_id != node_id:
+        return None
+    return time.perf_counter() - t0
+
+
+async def ping_all(nc: nats.NATS, node_ids: Iterable[str], timeout: float = 1.0) -> dict[str, float | None]:
+    ids = list(node_ids)
+    results = await asyncio.gather(*(ping(nc, n, timeout) for n in ids))
+    return dict(zip(ids, results))

@@ -1,0 +1,35 @@
+"""The tracker's tunables, with the defaults the CLI exposes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrackerParams:
+    # A node whose last heartbeat is older than this many seconds is dead.
+    expiry: float = 5.0
+    # Dead nodes are dropped from the table (and the coverage map) after this long.
+    forget_after: float = 600.0
+    # Seam latency assumed between two nodes when nothing was measured (seconds).
+    default_hop_latency: float = 0.001
+    # Seconds per layer per token assumed for a node that reported no throughput at all.
+    unknown_seconds_per_layer: float = 0.01
+    # A node without a measured throughput is assumed this many times slower per layer than its
+    # group's reference: usable, but a measured node of reference speed is preferred.
+    unmeasured_factor: float = 1.5
+    # A node is slow when its seconds per layer exceed this factor times the group reference
+    # (the lower median over the group's nodes with a measured throughput).
+    slow_factor: float = 3.0
+    # Routes assigned within this window count as load on their nodes until heartbeats report
+    # the sessions themselves.
+    assignment_window: float = 30.0
+    # Coverage: a layer with fewer live replicas than this is under-provisioned.
+    min_replicas: int = 2
+    # Coverage: a layer whose measured capacity (sum of decode tok/s) is below this is
+    # under-provisioned.
+    min_capacity_tokens_per_second: float = 2.0
+    # After a (re)start, a request that cannot be routed yet waits this long for heartbeats.
+    warmup: float = 1.5
+    # How often the tracker pings live nodes to measure round trips (0: never).
+    ping_interval: float = 5.0
