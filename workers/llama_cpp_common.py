@@ -1,0 +1,452 @@
+"""llama.cpp through llama-cpp-python's low-level API: what the full-model and layer-range
+backends share.
+
+- ``ggml``: ctypes bindings of the few ggml functions the boundary tap needs, from the ggml
+  library that llama-cpp-python bundles (the very one libllama is linked against).
+- ``ContextConfig``: every context setting that changes numerics (flash attention, KV dtype)
+  lives here and is spelled out in ``cache_abi``; slices and the full-model reference must agree.
+- ``LayerOutputTap``: the context's eval callback; it copies the residual output of the last
+  layer (graph node ``l_out-<n-1>``) and returns False, which stops the graph there (no output
+  norm, no lm_head on non-tail hops).
+- ``LlamaCppModel``: a loaded GGUF plus one context with one KV stream per session slot; it runs
+  rows of tokens or hidden states for one or several sequences in one ``llama_decode``.
+
+These names are llama.cpp internals; llama-cpp-python is pinned and tests/test_llama_cpp_backend.py
+pins the node name and the early-stop behaviour.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import threading
+from dataclasses import dataclass
+
+import llama_cpp as L
+import numpy as np
+
+from workers.errors import BackendError, BadInput, UnsupportedModel
+
+_LIB_DIR = pathlib.Path(L.__file__).resolve().parent / "lib"
+
+# Node name of the residual stream after layer `il` in llama.cpp's graphs (pinned by a test).
+LAYER_OUTPUT_NODE = "l_out-{il}"
+
+_KV_TYPES = {"f16": L.GGML_TYPE_F16, "f32": L.GGML_TYPE_F32, "q8_0": L.GGML_TYPE_Q8_0}
+_KV_TYPE_BYTES = {"f16": 2.0, "f32": 4.0, "q8_0": 34 / 32}
+
+
+class LlamaCppError(BackendError):
+    """llama.cpp refused: model load, context creation or decode failed."""
+
+    reason = "llama_cpp_error"
+
+
+class NoFreeSlot(BackendError):
+    """Every session slot of the context is taken."""
+
+    reason = "no_free_slot"
+
+
+# -- ggml, from the bundled library ----------------------------------------------------------
+
+
+class _Ggml:
+    """The ggml functions the tap needs, bound once from llama-cpp-python's libggml-base."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL(str(_LIB_DIR / "libggml-base.so"))
+        self.get_name = lib.ggml_get_name
+        self.get_name.argtypes = [ctypes.c_void_p]
+        self.get_name.restype = ctypes.c_char_p
+        self.nbytes = lib.ggml_nbytes
+        self.nbytes.argtypes = [ctypes.c_void_p]
+        self.nbytes.restype = ctypes.c_size_t
+        self.nrows = lib.ggml_nrows
+        self.nrows.argtypes = [ctypes.c_void_p]
+        self.nrows.restype = ctypes.c_int64
+        self.tensor_get = lib.ggml_backend_tensor_get
+        self.tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        self.tensor_get.restype = None
+        self._lib = lib
+
+
+_ggml: _Ggml | None = None
+_init_lock = threading.Lock()
+_log_cb = None
+
+
+def ggml() -> _Ggml:
+    global _ggml
+    with _init_lock:
+        if _ggml is None:
+            _ggml = _Ggml()
+        return _ggml
+
+
+def quiet_logs() -> None:
+    """Send llama.cpp's info logs nowhere (errors still reach stderr)."""
+    global _log_cb
+    if _log_cb is not None:
+        return
+
+    @L.llama_log_callback
+    def _cb(level, text, _user):  # GGML_LOG_LEVEL_ERROR == 4
+        if level == 4 and text:
+            import sys
+
+            sys.stderr.write(text.decode("utf-8", "replace"))
+
+    _log_cb = _cb
+    L.llama_log_set(_log_cb, ctypes.c_void_p())
+    L.llama_backend_init()
+
+
+# -- numerics-affecting settings --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """Settings that change numerics: equal configs give bit-identical results across slices."""
+
+    flash_attn: bool = True  # the low-level default (AUTO) resolves to on for CPU; say it explicitly
+    kv_type: str = "f16"
+
+    def __post_init__(self) -> None:
+        if self.kv_type not in _KV_TYPES:
+            raise BadInput(f"kv_type must be one of {sorted(_KV_TYPES)}, got {self.kv_type!r}")
+
+    @property
+    def cache_abi(self) -> str:
+        return f"llama.cpp-{L.__version__}-fa{int(self.flash_attn)}-{self.kv_type}kv"
+
+
+# -- the boundary tap --------------------------------------------------------------------------
+
+
+class LayerOutputTap:
+    """Eval callback: copy node ``l_out-<n_layer-1>`` (every ubatch) and stop the graph there.
+
+    llama_decode may split a batch into several ubatches; each one runs the graph once, so the
+    rows are collected in call order and concatenated by ``take``.
+    """
+
+    def __init__(self, n_layer: int, n_embd: int):
+        self.node = LAYER_OUTPUT_NODE.format(il=n_layer - 1).encode()
+        self.n_embd = n_embd
+        self.armed = False  # only decodes of a non-tail hop read the boundary
+        self._chunks: list[np.ndarray] = []
+        self.trace: list[str] | None = None  # set to [] to record the nodes offered (tests)
+        self.callback = L.ggml_backend_sched_eval_callback(self._eval)
+
+    def _eval(self, tensor, ask, _user) -> bool:
+        if not self.armed:
+            return not ask  # observe nothing, never stop
+        g = ggml()
+        if ask:
+            name = g.get_name(tensor)
+            if self.trace is not None:
+                self.trace.append(name.decode())
+            return name == self.node
+        if g.get_name(tensor) != self.node:
+            return True
+        nbytes = g.nbytes(tensor)
+        rows = g.nrows(tensor)
+        if nbytes != rows * self.n_embd * 4:
+            self._chunks.append(None)  # not f32 [rows, n_embd]: reported by take()
+            return False
+        out = np.empty((rows, self.n_embd), dtype=np.float32)
+        g.tensor_get(tensor, out.ctypes.data, 0, nbytes)
+        self._chunks.append(out)
+        return False  # stop: the rest of the graph (output norm, lm_head) is not needed
+
+    def take_nothing(self) -> None:
+        self._chunks = []
+
+    def take(self) -> np.ndarray:
+        chunks, self._chunks = self._chunks, []
+        if not chunks:
+            raise LlamaCppError(f"graph node {self.node.decode()} was never computed")
+        if any(c is None for c in chunks):
+            raise LlamaCppError(f"graph node {self.node.decode()} is not a float32 [rows, n_embd] tensor")
+        return np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+
+
+# -- batches ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rows:
+    """Input rows of one sequence: token ids [n] or hidden states [n, n_embd], from ``position``."""
+
+    seq_id: int
+    position: int
+    x: np.ndarray
+
+
+class Batch:
+    """A llama_batch of token rows (n_embd == 0) or hidden-state rows, freed on close."""
+
+    def __init__(self, capacity: int, n_embd: int):
+        self.capacity = capacity
+        self.n_embd = n_embd
+        self.raw = L.llama_batch_init(capacity, n_embd, 1)
+
+    def fill(self, parts: list[Rows], outputs: str) -> list[int]:
+        """Write the rows; ``outputs`` is "all" or "last" (last row of each part).
+
+        Returns the batch index of each part's last row.
+        """
+        b, i, last_rows = self.raw, 0, []
+        for part in parts:
+            n = part.x.shape[0]
+            if i + n > self.capacity:
+                raise BadInput(f"batch of more than {self.capacity} rows")
+            if self.n_embd:
+                ctypes.memmove(
+                    ctypes.addressof(b.embd.contents) + i * self.n_embd * 4,
+                    part.x.ctypes.data,
+                    n * self.n_embd * 4,
+                )
+            else:
+                ctypes.memmove(ctypes.addressof(b.token.contents) + i * 4, part.x.ctypes.data, n * 4)
+            for k in range(n):
+                b.pos[i + k] = part.position + k
+                b.n_seq_id[i + k] = 1
+                b.seq_id[i + k][0] = part.seq_id
+                b.logits[i + k] = 1 if outputs == "all" or k == n - 1 else 0
+            i += n
+            last_rows.append(i - 1)
+        b.n_tokens = i
+        return last_rows
+
+    def close(self) -> None:
+        if self.raw is not None:
+            L.llama_batch_free(self.raw)
+            self.raw = None
+
+
+# -- model + context ----------------------------------------------------------------------------
+
+
+def _meta_str(model, key: str) -> str | None:
+    buf = ctypes.create_string_buffer(4096)
+    n = L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    if n < 0:
+        return None
+    if n >= len(buf):
+        buf = ctypes.create_string_buffer(n + 1)
+        L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", "replace")
+
+
+def read_metadata(path: str | pathlib.Path, keys: list[str]) -> dict[str, str | None]:
+    """Scalar metadata of a GGUF as llama.cpp reads it (vocab-only load: no weights, fast)."""
+    quiet_logs()
+    mparams = L.llama_model_default_params()
+    mparams.vocab_only = True
+    model = L.llama_model_load_from_file(str(path).encode(), mparams)
+    if not model:
+        raise UnsupportedModel(f"llama.cpp cannot read {path}")
+    try:
+        return {k: _meta_str(model, k) for k in keys}
+    finally:
+        L.llama_model_free(model)
+
+
+class LlamaCppModel:
+    """One GGUF (whole model or slice) and one context with ``n_slots`` independent KV streams.
+
+    Each slot is a llama.cpp sequence with its own stream (``kv_unified`` off), so sessions never
+    see each other's cells; every slot holds ``n_ctx_slot`` positions.
+    """
+
+    def __init__(
+        self,
+        path: str | pathlib.Path,
+        *,
+        n_ctx_slot: int,
+        n_slots: int,
+        n_batch: int,
+        n_threads: int,
+        config: ContextConfig,
+        tap_output: bool,
+    ):
+        quiet_logs()
+        self.path = pathlib.Path(path)
+        self.config = config
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        self.model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self.model:
+            raise UnsupportedModel(f"llama.cpp cannot load {self.path}")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.arch = _meta_str(self.model, "general.architecture") or "unknown"
+        self.n_layer = L.llama_model_n_layer(self.model)
+        self.n_embd = L.llama_model_n_embd(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.n_head_kv = L.llama_model_n_head_kv(self.model)
+        self.n_swa = L.llama_model_n_swa(self.model)
+        self.n_slots = n_slots
+        self.n_batch = n_batch
+        self.tap = LayerOutputTap(self.n_layer, self.n_embd) if tap_output else None
+
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = n_ctx_slot * n_slots
+        cparams.n_batch = n_batch
+        cparams.n_ubatch = n_batch
+        cparams.n_seq_max = n_slots
+        cparams.kv_unified = False
+        cparams.n_threads = n_threads
+        cparams.n_threads_batch = n_threads
+        cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.type_k = _KV_TYPES[config.kv_type]
+        cparams.type_v = _KV_TYPES[config.kv_type]
+        cparams.no_perf = True
+        cparams.swa_full = True  # sliding-window layers keep every cell: kv_bytes_per_slot stays exact
+        if self.tap is not None:
+            cparams.cb_eval = self.tap.callback
+            cparams.cb_eval_user_data = None
+        self.ctx = L.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            L.llama_model_free(self.model)
+            raise LlamaCppError(f"llama.cpp could not create a context for {self.path}")
+        self.n_ctx_slot = L.llama_n_ctx_seq(self.ctx)
+        self.memory = L.llama_get_memory(self.ctx)
+        self._batches: dict[bool, Batch] = {}
+        self.lock = threading.Lock()  # one decode at a time per context
+
+    # -- sizes -----------------------------------------------------------------------------
+
+    def kv_bytes_per_slot(self) -> int:
+        """Bytes of K and V this slice holds for one slot (layers of this file only).
+
+        Computed the way llama.cpp sizes its cache: every layer keeps ``n_ctx_slot`` cells of
+        n_embd_k_gqa + n_embd_v_gqa values; sliding-window layers keep a window-sized cache.
+        """
+        head_k = _meta_int(self, "attention.key_length") or self.n_embd // max(1, L.llama_model_n_head(self.model))
+        head_v = _meta_int(self, "attention.value_length") or head_k
+        per_cell = self.n_head_kv * (head_k + head_v) * _KV_TYPE_BYTES[self.config.kv_type]
+        return int(round(self.n_ctx_slot * self.n_layer * per_cell))
+
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_bytes_per_slot() // max(1, self.n_ctx_slot)
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def _batch(self, embd: bool) -> Batch:
+        if embd not in self._batches:
+            self._batches[embd] = Batch(self.n_batch, self.n_embd if embd else 0)
+        return self._batches[embd]
+
+    def decode(self, parts: list[Rows], want: str) -> list[np.ndarray]:
+        """Run the rows of ``parts`` in one llama_decode.
+
+        want == "hidden": per part, the boundary rows [n, n_embd] (needs the tap);
+        want == "logits": per part, the logits of its last row [n_vocab].
+        """
+        embd = parts[0].x.ndim == 2
+        with self.lock:
+            batch = self._batch(embd)
+            last_rows = batch.fill(parts, outputs="all" if want == "hidden" else "last")
+            if self.tap is not None:
+                self.tap.armed = want == "hidden"
+            rc = L.llama_decode(self.ctx, batch.raw)
+            if rc != 0:
+                if self.tap is not None:
+                    self.tap.take_nothing()
+                raise LlamaCppError(f"llama_decode failed with code {rc}")
+            if want == "hidden":
+                rows = self.tap.take()
+                if rows.shape[0] != batch.raw.n_tokens:
+                    raise LlamaCppError(f"boundary node has {rows.shape[0]} rows, batch has {batch.raw.n_tokens}")
+                out, start = [], 0
+                for part in parts:
+                    out.append(rows[start : start + part.x.shape[0]].copy())
+                    start += part.x.shape[0]
+                return out
+            logits = []
+            for i in last_rows:
+                ptr = L.llama_get_logits_ith(self.ctx, i)
+                logits.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+            return logits
+
+    # -- sequences -------------------------------------------------------------------------
+
+    def clear(self, seq_id: int) -> None:
+        self.forget_from(seq_id, 0)
+
+    def forget_from(self, seq_id: int, position: int) -> None:
+        """Drop the sequence's cells at positions >= ``position``."""
+        with self.lock:
+            L.llama_memory_seq_rm(self.memory, seq_id, position, -1)
+
+    def seq_state(self, seq_id: int) -> bytes:
+        with self.lock:
+            size = L.llama_state_seq_get_size(self.ctx, seq_id)
+            buf = (ctypes.c_uint8 * size)()
+            n = L.llama_state_seq_get_data(self.ctx, buf, size, seq_id)
+            if n == 0:
+                raise LlamaCppError(f"llama_state_seq_get_data failed for sequence {seq_id}")
+            return bytes(buf[:n])
+
+    def set_seq_state(self, seq_id: int, blob: bytes) -> None:
+        with self.lock:
+            buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+            if L.llama_state_seq_set_data(self.ctx, buf, len(blob), seq_id) == 0:
+                self.clear(seq_id)
+                raise BadInput("llama.cpp rejected the sequence state (different model, range or cache ABI?)")
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return L.llama_memory_seq_pos_max(self.memory, seq_id)
+
+    # -- text (whole models and head slices carry the vocabulary) ---------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (L.llama_token * cap)()
+        n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (L.llama_token * cap)()
+            n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def detokenize(self, ids: list[int], remove_special: bool = False, unparse_special: bool = False) -> str:
+        arr = (L.llama_token * max(1, len(ids)))(*ids)
+        cap = 16 * len(ids) + 16
+        buf = ctypes.create_string_buffer(cap)
+        n = L.llama_detokenize(self.vocab, arr, len(ids), buf, cap, remove_special, unparse_special)
+        if n < 0:
+            cap = -n
+            buf = ctypes.create_string_buffer(cap)
+            n = L.llama_detokenize(self.vocab, arr, len(ids), buf, cap, remove_special, unparse_special)
+        return buf.raw[:n].decode("utf-8", "replace")
+
+    def token(self, kind: str) -> int:
+        """A special token id: "bos", "eos", "eot", "nl", "pad" (-1 when the model has none)."""
+        return int(getattr(L, f"llama_vocab_{kind}")(self.vocab))
+
+    def is_eog(self, token_id: int) -> bool:
+        return bool(L.llama_vocab_is_eog(self.vocab, token_id))
+
+    def meta(self, key: str) -> str | None:
+        return _meta_str(self.model, key)
+
+    def close(self) -> None:
+        for b in self._batches.values():
+            b.close()
+        self._batches.clear()
+        if self.ctx:
+            L.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            L.llama_model_free(self.model)
+            self.model = None
+
+
+def _meta_int(m: LlamaCppModel, suffix: str) -> int | None:
+    v = m.meta(f"{m.arch}.{suffix}")
+    return int(v) if v is not None and v.strip().lstrip("-").isdigit() else None
+

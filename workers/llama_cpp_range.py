@@ -1,0 +1,256 @@
+"""llama.cpp layer-range backend: one slice GGUF, one context, one KV stream per session.
+
+The head takes token ids, every other hop takes hidden states (a batch made with
+``llama_batch_init(n, n_embd, 1)``); every non-tail hop returns the residual output of its last
+layer, read in the eval callback (see ``llama_cpp_common.LayerOutputTap``); the tail returns the
+logits of the last row. Sessions map to llama.cpp sequence ids of one context whose KV streams
+are separate (``kv_unified`` off), so sessions never see each other's cells and several of them
+can decode in one ``llama_decode``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from workers.errors import BadInput, UnsupportedModel
+from workers.llama_cpp_common import ContextConfig, LlamaCppModel, NoFreeSlot, Rows, read_metadata
+from workers.protocol import Backend, Capability
+
+DEFAULT_N_CTX = 2048  # positions per session slot
+DEFAULT_SESSIONS = 4  # session slots per context
+DEFAULT_N_BATCH = 512  # rows per llama_decode (longer prefill chunks are run in pieces)
+
+
+def slice_cache_dir() -> Path:
+    from neuron_bus.models import cache_dir
+
+    return cache_dir() / "slices"
+
+
+def sliced(model_path: Path, layer_start: int, layer_end: int, cache_dir: Path | None = None) -> Path:
+    """A slice GGUF of [layer_start, layer_end) of ``model_path``, cut once into ``cache_dir``."""
+    from neuron_bus.artifacts.slicing import slice_gguf
+
+    model_path = Path(model_path)
+    st = model_path.stat()
+    key = hashlib.sha256(f"{model_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = Path(cache_dir or slice_cache_dir()) / f"{model_path.stem}.{layer_start}-{layer_end - 1}.{key}.gguf"
+    if not out.is_file():
+        slice_gguf(model_path, layer_start, layer_end, out)
+    return out
+
+
+def _resolve_range(path: Path, layer_start: int | None, layer_end: int | None, cache_dir: Path | None):
+    """-> (file to load, layer_start, layer_end, n_layers of the whole model)."""
+    from neuron_bus.artifacts.gguf_model import META_PREFIX
+
+    arch = read_metadata(path, ["general.architecture"])["general.architecture"]
+    keys = [f"{arch}.block_count"] + [META_PREFIX + k for k in ("layer_start", "layer_end", "n_layers_total")]
+    meta = read_metadata(path, keys)
+    if meta[keys[1]] is not None:  # a slice: its range is fixed
+        start, end, n_layers = (int(meta[k]) for k in keys[1:])
+        if (layer_start, layer_end) not in ((None, None), (start, end)):
+            raise BadInput(f"{path} is the slice {start}-{end - 1}, not {layer_start}-{layer_end - 1}")
+        return path, start, end, n_layers
+    n_layers = int(meta[keys[0]])
+    start = 0 if layer_start is None else layer_start
+    end = n_layers if layer_end is None else layer_end
+    if not 0 <= start < end <= n_layers:
+        raise BadInput(f"layer range [{start}, {end}) is outside the model's {n_layers} layers")
+    if (start, end) == (0, n_layers):
+        return path, start, end, n_layers
+    return sliced(path, start, end, cache_dir), start, end, n_layers
+
+
+class LlamaCppRangeBackend(Backend):
+    """Layers [layer_start, layer_end) of a GGUF on llama.cpp.
+
+    ``path`` is a slice GGUF (its range is read from its ``neuron_bus.*`` metadata) or a whole
+    model; with a whole model, ``layer_start``/``layer_end`` select the range, and the slice is
+    cut once into ``cache_dir``.
+    """
+
+    backend_id = "llama-cpp"
+
+    def __init__(
+        self,
+        path: str | Path,
+        layer_start: int | None = None,
+        layer_end: int | None = None,
+        *,
+        n_threads: int = 1,
+        n_ctx: int = DEFAULT_N_CTX,
+        max_sessions: int = DEFAULT_SESSIONS,
+        n_batch: int = DEFAULT_N_BATCH,
+        flash_attn: bool = True,
+        kv_type: str = "f16",
+        cache_dir: str | Path | None = None,
+        benchmark: bool = True,
+    ):
+        path = Path(path)
+        file, start, end, n_layers = _resolve_range(path, layer_start, layer_end, cache_dir and Path(cache_dir))
+        self.source_path = path
+        self.file = file
+        self.config = ContextConfig(flash_attn=flash_attn, kv_type=kv_type)
+        self.model = LlamaCppModel(
+            file,
+            n_ctx_slot=n_ctx,
+            n_slots=max_sessions,
+            n_batch=n_batch,
+            n_threads=n_threads,
+            config=self.config,
+            tap_output=end < n_layers,
+        )
+        if self.model.n_layer != end - start:
+            self.model.close()
+            raise UnsupportedModel(f"{file} has {self.model.n_layer} layers, expected {end - start}")
+        super().__init__(
+            layer_start=start,
+            layer_end=end,
+            n_layers=n_layers,
+            hidden_size=self.model.n_embd,
+            vocab_size=self.model.n_vocab,
+        )
+        self._seq: dict[str, int] = {}  # session -> llama.cpp sequence id
+        self._free = list(range(max_sessions))
+        self.prefill_tps = 0.0
+        self.decode_tps = 0.0
+        if benchmark:
+            self.prefill_tps, self.decode_tps = self._benchmark()
+
+    # -- what this backend is ----------------------------------------------------------------
+
+    @property
+    def capability(self) -> Capability:
+        kv = self.model.kv_bytes_per_slot()
+        return Capability(
+            model_arch=self.model.arch,
+            supported_runtime="llama.cpp",
+            supports_prefill=True,
+            supports_decode_step=True,
+            supports_layer_range=True,
+            supports_partial_artifacts=True,
+            cache_abi=self.cache_abi,
+            cache_bytes_per_token_estimate=self.model.kv_bytes_per_token(),
+            prefill_tokens_per_second=self.prefill_tps,
+            decode_tokens_per_second=self.decode_tps,
+            # weights (mmapped file) + the KV of every slot, allocated when the context is made
+            active_memory_floor=os.path.getsize(self.file) + kv * self.model.n_slots,
+        )
+
+    @property
+    def cache_abi(self) -> str:
+        return self.config.cache_abi
+
+    @property
+    def n_ctx(self) -> int:
+        """Positions one session can hold."""
+        return self.model.n_ctx_slot
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _take_slot(self, session_id: str, n_ctx: int) -> int:
+        if n_ctx > self.model.n_ctx_slot:
+            raise BadInput(f"n_ctx {n_ctx} exceeds this worker's {self.model.n_ctx_slot} positions per session")
+        if not self._free:
+            raise NoFreeSlot(f"all {self.model.n_slots} session slots are in use")
+        seq = self._free.pop(0)
+        self.model.clear(seq)
+        self._seq[session_id] = seq
+        return seq
+
+    def _release_slot(self, session_id: str) -> None:
+        seq = self._seq.pop(session_id)
+        self.model.clear(seq)
+        self._free.append(seq)
+        self._free.sort()
+
+    def _open(self, session_id: str, n_ctx: int) -> None:
+        self._take_slot(session_id, n_ctx)
+
+    def _close(self, session_id: str) -> None:
+        self._release_slot(session_id)
+
+    def _cache_bytes(self, session_id: str) -> int:
+        # The slot's K and V for this file's layers, reserved for the session's lifetime.
+        return self.model.kv_bytes_per_slot()
+
+    @property
+    def _want(self) -> str:
+        return "logits" if self.is_tail else "hidden"
+
+    def _forward(self, session_id: str, position: int, x: np.ndarray) -> np.ndarray:
+        seq = self._seq[session_id]
+        step = self.model.n_batch
+        try:
+            outs = [
+                self.model.decode([Rows(seq, position + i, x[i : i + step])], self._want)[0]
+                for i in range(0, x.shape[0], step)
+            ]
+        except BaseException:
+            self.model.forget_from(seq, position)  # a failed call leaves no cells behind
+            raise
+        return outs[-1] if self.is_tail else np.concatenate(outs)
+
+    def _forward_batch(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
+        if len(steps) > self.model.n_batch or len({sid for sid, _, _ in steps}) != len(steps):
+            return super()._forward_batch(steps)
+        # Rows in sequence-id order: the order llama.cpp runs sequences of one batch in.
+        order = sorted(range(len(steps)), key=lambda k: self._seq[steps[k][0]])
+        parts = [Rows(self._seq[steps[k][0]], steps[k][1], steps[k][2]) for k in order]
+        try:
+            outs = self.model.decode(parts, self._want)
+        except BaseException:
+            for part in parts:
+                self.model.forget_from(part.seq_id, part.position)
+            raise
+        self.forward_calls += 1
+        result: list[np.ndarray] = [None] * len(steps)  # type: ignore[list-item]
+        for k, out in zip(order, outs):
+            result[k] = out
+        return result
+
+    def _export(self, session_id: str) -> bytes:
+        return self.model.seq_state(self._seq[session_id])
+
+    def _import(self, session_id: str, n_ctx: int, position: int, blob: bytes) -> None:
+        seq = self._take_slot(session_id, n_ctx)
+        try:
+            self.model.set_seq_state(seq, blob)
+            held = self.model.seq_pos_max(seq) + 1
+            if held != position:
+                raise BadInput(f"the state holds {held} positions, not {position}")
+        except BaseException:
+            self._release_slot(session_id)
+            raise
+
+    # -- self-benchmark ----------------------------------------------------------------------
+
+    def _benchmark(self, n_prefill: int = 32, n_decode: int = 8) -> tuple[float, float]:
+        """Prefill and decode tokens/s on a scratch sequence (runs once, at construction)."""
+        seq = self._free[0]
+        rng = np.random.default_rng(0)
+        if self.is_head:
+            rows = rng.integers(0, self.vocab_size, size=n_prefill + n_decode, dtype=np.int32)
+        else:
+            rows = rng.standard_normal((n_prefill + n_decode, self.hidden_size)).astype(np.float32)
+        n_prefill = min(n_prefill, self.model.n_batch, self.model.n_ctx_slot - n_decode)
+        try:
+            t0 = time.perf_counter()
+            self.model.decode([Rows(seq, 0, rows[:n_prefill])], self._want)
+            t1 = time.perf_counter()
+            for i in range(n_prefill, n_prefill + n_decode):
+                self.model.decode([Rows(seq, i, rows[i : i + 1])], self._want)
+            t2 = time.perf_counter()
+        finally:
+            self.model.clear(seq)
+        return n_prefill / max(t1 - t0, 1e-9), n_decode / max(t2 - t1, 1e-9)
+
+    def close(self) -> None:
+        super().close()
+        self.model.close()
