@@ -143,6 +143,7 @@ class SamplingParams(Struct):
     max_tokens: int = 128
     stop: list[str] = []
     logprobs: bool = False
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
 
 class SessionOpen(Struct, tag_field="op", tag="open"):

@@ -360,7 +360,7 @@ class WorkerService:
         s.progress.token()
         text = s.decoder.push(pick.token_id)
         finish = None
-        if self.tokenizer.is_end_of_generation(pick.token_id):
+        if not params.ignore_eos and self.tokenizer.is_end_of_generation(pick.token_id):
             finish, text = "stop", text + s.decoder.flush()
         else:
             combined = s.text + text
