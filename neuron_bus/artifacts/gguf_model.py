@@ -76,6 +76,12 @@ class GGUFModel:
             paths = [Path(paths)]
         self.paths = [Path(p) for p in paths]
         self.readers = [self._open(p) for p in self.paths]
+        # A gguf-split set may be given in any order: metadata lives in split 0.
+        nos = [r.fields.get("split.no") for r in self.readers]
+        if len(self.readers) > 1 and all(f is not None for f in nos):
+            order = sorted(range(len(nos)), key=lambda i: int(nos[i].contents()))
+            self.paths = [self.paths[i] for i in order]
+            self.readers = [self.readers[i] for i in order]
         self.meta = self.readers[0]
         self.arch = self.field("general.architecture")
         if not isinstance(self.arch, str):

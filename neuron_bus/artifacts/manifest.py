@@ -75,14 +75,9 @@ def _regions(tensors: list[Tensor], size: int) -> list[_Region]:
     return [r for r in regions if r.end > r.start]
 
 
-def _ordered(paths: list[Path]) -> GGUFModel:
-    """Open a model; a gguf-split set is put in split order, whatever order it was given in."""
-    model = GGUFModel(paths)
-    nos = [r.fields.get("split.no") for r in model.readers]
-    if len(paths) > 1 and all(f is not None for f in nos):
-        order = sorted(range(len(paths)), key=lambda i: int(nos[i].contents()))
-        if order != list(range(len(paths))):
-            model = GGUFModel([model.paths[i] for i in order])
+def _ordered(paths: list[Path] | GGUFModel) -> GGUFModel:
+    """Open a model (GGUFModel puts a gguf-split set in split order); file names must be distinct."""
+    model = paths if isinstance(paths, GGUFModel) else GGUFModel(paths)
     if len({p.name for p in model.paths}) != len(model.paths):
         raise ArtifactError("bad_files", "model files must have distinct names")
     return model
@@ -188,7 +183,7 @@ def artifact_id_for(file_hashes: list[FileHash], piece_size: int) -> str:
 
 
 def build_manifest(
-    paths: list[Path] | Path,
+    paths: list[Path] | Path | GGUFModel,
     piece_size: int = DEFAULT_PIECE_SIZE,
     model_preset: str | None = None,
     upstream_repo: str | None = None,
@@ -203,7 +198,7 @@ def build_manifest(
         raise ArtifactError("bad_piece_size", f"piece size {piece_size} is too small (at least 4096 bytes)")
     if isinstance(paths, (str, Path)):
         paths = [Path(paths)]
-    model = _ordered([Path(p) for p in paths])
+    model = _ordered(paths if isinstance(paths, GGUFModel) else [Path(p) for p in paths])
 
     pieces: list[PieceHash] = []
     entries: list[TensorEntry] = []

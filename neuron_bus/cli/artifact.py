@@ -60,7 +60,10 @@ def _progress(description: str):
 async def _with_js(url: str, fn):
     from neuron_bus.topology import connect
 
-    nc = await connect(url, name="neuron-bus-artifact", max_reconnect_attempts=2)
+    async def quiet(_exc: Exception) -> None:  # a failed connect is reported once, by _run_nats
+        pass
+
+    nc = await connect(url, name="neuron-bus-artifact", max_reconnect_attempts=2, error_cb=quiet)
     try:
         return await fn(nc.jetstream())
     finally:
@@ -196,7 +199,7 @@ def slice_cmd(
         artifact_id = ""
         if manifest_path is not None:
             m = load_manifest(manifest_path)
-            mine = build_manifest(model.paths, piece_size=m.piece_size)
+            mine = build_manifest(model, piece_size=m.piece_size)
             if mine.artifact_id != m.artifact_id:
                 raise ArtifactError("wrong_manifest", f"{files[0]} is not artifact {m.artifact_id} (a manifest for a different file?)")
             artifact_id = m.artifact_id
