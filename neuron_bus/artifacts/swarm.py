@@ -149,7 +149,12 @@ async def publish(
 
 
 async def fetch_manifest(js: JetStreamContext, artifact_id: str) -> ArtifactManifest:
-    obs = await artifact_store(js, create=False)
+    try:
+        obs = await artifact_store(js, create=False)
+    except ArtifactError:
+        raise ArtifactError(
+            "not_found", f"artifact {artifact_id} is not in the store (no {S.OBJ_ARTIFACTS} bucket yet: publish it first)"
+        ) from None
     try:
         name = manifest_object(artifact_id)
     except ValueError as exc:
