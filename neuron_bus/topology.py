@@ -5,7 +5,11 @@ subjects.md is the prose version of this table; `ensure_topology` is what makes 
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import socket
 from dataclasses import dataclass
+from urllib.parse import urlparse
 
 import nats
 from nats.js import JetStreamContext
@@ -20,6 +24,8 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, NotFoundError
 
 from neuron_bus import subjects as S
+
+log = logging.getLogger("neuron_bus.nats")
 
 DAY = 24 * 3600.0
 
@@ -174,15 +180,37 @@ async def ensure_topology(js: JetStreamContext, replicas: int = 1, prefill_windo
     return topo
 
 
+def _reachable(servers: list[str], timeout: float = 3.0) -> bool:
+    for server in servers:
+        parsed = urlparse(server if "://" in server else f"nats://{server}")
+        try:
+            with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 4222), timeout=timeout):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+async def _log_error(exc: Exception) -> None:
+    log.warning("nats: %s", exc)
+
+
 async def connect(url: str, name: str = "neuron-bus", **kwargs) -> nats.NATS:
-    """Connect to a server or cluster (comma-separated URLs), reconnecting forever by default."""
+    """Connect to a server or cluster (comma-separated URLs).
+
+    Fails at once with ConnectionRefusedError when no server answers; once connected, it
+    reconnects to surviving servers forever (by default).
+    """
     servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not await asyncio.to_thread(_reachable, servers):
+        raise ConnectionRefusedError(f"no NATS server reachable at {url}")
     opts = dict(
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
         connect_timeout=5,
         allow_reconnect=True,
+        error_cb=_log_error,
     )
     opts.update(kwargs)
     return await nats.connect(servers=servers, **opts)
