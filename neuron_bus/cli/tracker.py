@@ -8,7 +8,7 @@ import logging
 import signal
 
 import msgspec
-import nats.errors
+from nats import errors as nats_errors
 import typer
 
 from neuron_bus import messages
@@ -68,7 +68,7 @@ def tracker(
         asyncio.run(_serve(nats, params))
     except TrackerError as exc:
         fail(str(exc))
-    except (OSError, nats.errors.Error) as exc:
+    except (OSError, nats_errors.Error) as exc:
         fail(f"cannot reach NATS at {nats}: {exc}")
 
 
@@ -96,9 +96,9 @@ def coverage(
     """Per layer: live replicas, measured capacity and status; plus where a new node helps most."""
     try:
         report = asyncio.run(fetch_coverage(nats, model, timeout))
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError):
+    except (nats_errors.NoRespondersError, nats_errors.TimeoutError, asyncio.TimeoutError):
         fail(f"no tracker answered on {S.TRACKER_COVERAGE} at {nats} (is `neuron-bus tracker` running?)")
-    except (OSError, nats.errors.Error) as exc:
+    except (OSError, nats_errors.Error) as exc:
         fail(f"cannot reach NATS at {nats}: {exc}")
     except MalformedMessage as exc:
         fail(f"bad coverage reply: {exc}")

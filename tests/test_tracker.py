@@ -1,0 +1,365 @@
+"""The tracker against a real nats-server: the test plays the nodes (real reports, heartbeats
+and pings over NATS) and the client (real route requests), and reads the route stream and KV."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from neuron_bus import messages
+from neuron_bus import subjects as S
+from neuron_bus.topology import connect, ensure_topology
+from neuron_bus.tracker import TrackerParams, TrackerService
+from tests.test_planner import report
+
+BIN = str(Path(sys.executable).parent / "neuron-bus")
+EXPIRY = 1.0
+BEAT = 0.2
+PARAMS = TrackerParams(expiry=EXPIRY, ping_interval=0.0, warmup=0.5)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Node:
+    """A node on the bus as far as the tracker can tell: report, heartbeats, pings."""
+
+    def __init__(self, nc, node_id: str, a: int, b: int, tps: float = 50.0, answer_pings: bool = False, **kw):
+        self.nc, self.caps, self.tps = nc, report(node_id, a, b, tps=tps, **kw), tps
+        self.answer_pings = answer_pings
+        self._task = self._ctl = None
+        self.seq = 0
+
+    @property
+    def node_id(self) -> str:
+        return self.caps.node_id
+
+    async def start(self) -> Node:
+        data = messages.encode(self.caps)
+        kv = await self.nc.jetstream().key_value(S.KV_NODES)
+        await kv.put(self.node_id, data)
+        await self.nc.publish(S.node_caps(self.node_id), data)
+        if self.answer_pings:
+            self._ctl = await self.nc.subscribe(S.node_control(self.node_id), cb=self._on_ctl)
+        self._task = asyncio.create_task(self._beat())
+        return self
+
+    async def _on_ctl(self, msg):
+        ping = messages.decode(msg.data, messages.ControlRequest)
+        await msg.respond(messages.encode(messages.Pong(node_id=self.node_id, sent_at=ping.sent_at)))
+
+    async def _beat(self):
+        while True:
+            self.seq += 1
+            hb = messages.NodeHeartbeat(
+                node_id=self.node_id,
+                seq=self.seq,
+                ts=time.time(),
+                layer_start=self.caps.layer_start,
+                layer_end=self.caps.layer_end,
+                cache_abi=self.caps.cache_abi,
+                decode_tokens_per_second=self.tps,
+            )
+            await self.nc.publish(S.node_heartbeat(self.node_id), messages.encode(hb))
+            await asyncio.sleep(BEAT)
+
+    async def stop(self):
+        """Stop heartbeating (the node died, as far as anyone can tell)."""
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        if self._ctl:
+            await self._ctl.unsubscribe()
+            self._ctl = None
+
+
+@pytest.fixture
+async def bus(nats_server):
+    nc = await connect(nats_server.url, max_reconnect_attempts=1)
+    await ensure_topology(nc.jetstream())
+    nodes: list[Node] = []
+
+    class Bus:
+        url = nats_server.url
+
+        def __init__(self):
+            self.nc = nc
+
+        async def node(self, *args, **kw) -> Node:
+            n = await Node(nc, *args, **kw).start()
+            nodes.append(n)
+            return n
+
+    try:
+        yield Bus()
+    finally:
+        for n in nodes:
+            await n.stop()
+        await nc.close()
+
+
+@pytest.fixture
+async def tracker(bus):
+    nc = await connect(bus.url, max_reconnect_attempts=1)
+    service = TrackerService(nc, PARAMS)
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+        await nc.close()
+
+
+async def ask_route(nc, **kw):
+    req = messages.RouteRequest(request_id=kw.pop("request_id", "req"), model_preset="smollm2-135m", **kw)
+    msg = await nc.request(S.ROUTE_REQUEST, messages.encode(req), timeout=5)
+    return messages.decode(msg.data, messages.RouteReply)
+
+
+async def ask_coverage(nc, model: str | None = None) -> messages.CoverageReport:
+    msg = await nc.request(S.TRACKER_COVERAGE, messages.encode(messages.CoverageRequest(model_preset=model)), timeout=5)
+    return messages.decode(msg.data, messages.CoverageReport)
+
+
+async def eventually(check, timeout: float = 5.0, every: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {result!r}")
+        await asyncio.sleep(every)
+
+
+async def live(tracker: TrackerService, *ids: str):
+    async def check():
+        return set(ids) <= set(tracker.registry.live_ids(time.monotonic()))
+
+    await eventually(check)
+
+
+def hops(route) -> list[tuple[str, int, int]]:
+    assert isinstance(route, messages.RouteAssignment), route
+    return [(h.node_id, h.layer_start, h.layer_end) for h in route.hops]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_route_is_published_on_the_stream_and_in_kv(bus, tracker):
+    await bus.node("head", 0, 15)
+    await bus.node("tail", 15, 30)
+    await live(tracker, "head", "tail")
+    route = await ask_route(bus.nc, wire_dtype="bf16")
+    assert hops(route) == [("head", 0, 15), ("tail", 15, 30)]
+    assert [h.subject for h in route.hops] == [f"neuron.act.{route.route_id}.0", f"neuron.act.{route.route_id}.1"]
+    assert route.wire_dtype == "bf16" and route.n_layers_total == 30 and route.model_revision == "r1"
+    js = bus.nc.jetstream()
+    stored = await js.get_last_msg(S.STREAM_ROUTES, S.route_assign(route.route_id))
+    assert messages.decode(stored.data, messages.RouteAssignment) == route
+    entry = await (await js.key_value(S.KV_ROUTES)).get(route.route_id)
+    assert messages.decode(entry.value, messages.RouteAssignment) == route
+
+
+async def test_slow_replica_avoided_then_used_alone_and_marked_under_provisioned(bus, tracker):
+    await bus.node("head", 0, 15)
+    await bus.node("head2", 0, 15)
+    fast = await bus.node("fast", 15, 30, tps=50)
+    await bus.node("slow", 15, 30, tps=2)
+    await live(tracker, "head", "head2", "fast", "slow")
+    for i in range(6):
+        assert "slow" not in [h[0] for h in hops(await ask_route(bus.nc, request_id=f"r{i}"))]
+    await fast.stop()
+
+    async def fast_gone():
+        return "fast" not in tracker.registry.live_ids(time.monotonic())
+
+    await eventually(fast_gone, timeout=EXPIRY + 2)
+    assert hops(await ask_route(bus.nc))[1] == ("slow", 15, 30)
+    cov = await ask_coverage(bus.nc)
+    (group,) = cov.models
+    tail_rows = group.layers[15:30]
+    assert {r.status for r in tail_rows} == {"under-provisioned"} and tail_rows[0].replicas == ["slow"]
+    assert {r.status for r in group.layers[:15]} == {"covered"}
+    assert group.nodes_expired == ["fast"]
+    assert (group.hint.layer_start, group.hint.layer_end) == (15, 30)
+
+
+async def test_other_cache_abi_is_never_routed_and_its_only_range_is_rejected_with_reason(bus, tracker):
+    await bus.node("head", 0, 15)
+    await bus.node("odd-tail", 15, 30, cache_abi="llama-kv-q8-v2")
+    await live(tracker, "head", "odd-tail")
+    reply = await ask_route(bus.nc, request_id="abi")
+    assert isinstance(reply, messages.RouteRejection) and reply.request_id == "abi"
+    assert any("coverage gap at layers 15-29 among nodes with cache ABI llama-kv-f16-v1" in r for r in reply.reasons)
+    pinned = await ask_route(bus.nc, cache_abi="z")
+    assert isinstance(pinned, messages.RouteRejection) and "with cache ABI z" in pinned.reasons[0]
+    await bus.node("tail", 15, 30)
+    await live(tracker, "tail")
+    for _ in range(4):
+        assert "odd-tail" not in [h[0] for h in hops(await ask_route(bus.nc))]
+
+
+async def test_killing_the_only_node_of_a_range_makes_a_gap_within_the_expiry(bus, tracker):
+    await bus.node("head", 0, 15)
+    tail = await bus.node("tail", 15, 30)
+    await live(tracker, "head", "tail")
+    await tail.stop()
+    killed = time.monotonic()
+
+    async def gap():
+        cov = await ask_coverage(bus.nc, "smollm2-135m")
+        return cov.models[0].layers[20].status == "gap" and cov
+
+    cov = await eventually(gap, timeout=EXPIRY + 2)
+    assert time.monotonic() - killed <= EXPIRY + BEAT + 0.5
+    assert {r.status for r in cov.models[0].layers[15:]} == {"gap"}
+    reply = await ask_route(bus.nc)
+    assert isinstance(reply, messages.RouteRejection) and reply.reasons == ["coverage gap at layers 15-29"]
+
+
+async def test_sixteen_requests_over_two_full_replicas_are_spread(bus, tracker):
+    await bus.node("left", 0, 30)
+    await bus.node("right", 0, 30)
+    await live(tracker, "left", "right")
+    routes = [await ask_route(bus.nc, request_id=f"r{i}") for i in range(16)]
+    used = [hops(r)[0][0] for r in routes]
+    assert used.count("left") == 8 and used.count("right") == 8
+    assert len({r.route_id for r in routes}) == 16
+
+
+async def test_tracker_restart_rebuilds_the_registry_from_kv_and_heartbeats(bus):
+    nc1 = await connect(bus.url, max_reconnect_attempts=1)
+    first = TrackerService(nc1, PARAMS)
+    await first.start()
+    await bus.node("head", 0, 15)
+    await bus.node("tail", 15, 30)
+    await live(first, "head", "tail")
+    assert isinstance(await ask_route(bus.nc), messages.RouteAssignment)
+    await first.stop()
+    await nc1.close()
+    # The reports were announced before this tracker existed: only the KV bucket has them.
+    nc2 = await connect(bus.url, max_reconnect_attempts=1)
+    second = TrackerService(nc2, PARAMS)
+    await second.start()
+    try:
+        assert {v.node_id for v in second.registry.views(time.monotonic())} == {"head", "tail"}
+        route = await ask_route(bus.nc)  # right after the restart: the warmup waits for heartbeats
+        assert hops(route) == [("head", 0, 15), ("tail", 15, 30)]
+        cov = await ask_coverage(bus.nc)
+        assert cov.models[0].nodes_live == ["head", "tail"]
+    finally:
+        await second.stop()
+        await nc2.close()
+
+
+async def test_heartbeat_without_report_reads_the_report_from_kv(bus, tracker):
+    caps = report("late", 0, 30)
+    await (await bus.nc.jetstream().key_value(S.KV_NODES)).put("late", messages.encode(caps))
+    hb = messages.NodeHeartbeat(node_id="late", seq=1, ts=time.time(), layer_start=0, layer_end=30, cache_abi=caps.cache_abi)
+    for _ in range(3):
+        await bus.nc.publish(S.node_heartbeat("late"), messages.encode(hb))
+    await live(tracker, "late")
+    assert hops(await ask_route(bus.nc)) == [("late", 0, 30)]
+
+
+async def test_pings_measure_round_trips_to_nodes(bus):
+    nc = await connect(bus.url, max_reconnect_attempts=1)
+    service = TrackerService(nc, TrackerParams(expiry=EXPIRY, ping_interval=0.1))
+    await service.start()
+    try:
+        await bus.node("pinged", 0, 30, answer_pings=True)
+        await bus.node("mute", 0, 30)
+
+        async def measured():
+            nodes = {n.node_id: n for n in (await ask_coverage(bus.nc)).nodes}
+            return nodes.get("pinged") and nodes["pinged"].rtt_ms is not None and nodes
+
+        nodes = await eventually(measured)
+        assert 0 < nodes["pinged"].rtt_ms < 1000 and nodes["mute"].rtt_ms is None
+    finally:
+        await service.stop()
+        await nc.close()
+
+
+async def test_malformed_route_request_gets_a_rejection(bus, tracker):
+    msg = await bus.nc.request(S.ROUTE_REQUEST, b"{not json", timeout=5)
+    reply = messages.decode(msg.data, messages.RouteReply)
+    assert isinstance(reply, messages.RouteRejection) and "malformed RouteRequest" in reply.reasons[0]
+
+
+async def test_policy_private_uses_only_trusted_nodes(bus, tracker):
+    await bus.node("public", 0, 30, tps=500)
+    await bus.node("trusted", 0, 30, trust_tier="trusted")
+    await live(tracker, "public", "trusted")
+    assert hops(await ask_route(bus.nc, policy="private"))[0][0] == "trusted"
+    assert route_trust(await ask_route(bus.nc, policy="paid-trusted")) == ["trusted"]
+
+
+def route_trust(route) -> list[str]:
+    return [h.trust_tier for h in route.hops]
+
+
+# -- the CLI, as subprocesses -----------------------------------------------------------------
+
+
+def _run(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
+    return subprocess.run([BIN, *args], capture_output=True, text=True, timeout=timeout)
+
+
+async def test_cli_tracker_serves_routes_and_coverage_then_stops_on_sigterm(bus):
+    proc = subprocess.Popen(
+        [BIN, "tracker", "--nats", bus.url, "--expiry", str(EXPIRY)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 20)
+        assert "tracker ready" in line, line + proc.stderr.read()
+        await bus.node("head", 0, 15)
+        await bus.node("tail", 15, 30, tps=2)
+        await asyncio.sleep(2 * BEAT)
+        assert hops(await ask_route(bus.nc)) == [("head", 0, 15), ("tail", 15, 30)]
+
+        out = await asyncio.to_thread(_run, "coverage", "--nats", bus.url, "--json")
+        assert out.returncode == 0, out.stderr
+        doc = json.loads(out.stdout)
+        (group,) = doc["models"]
+        assert group["layers"][0]["replicas"] == ["head"]
+        assert {row["status"] for row in group["layers"]} == {"under-provisioned"}
+        assert messages.decode(out.stdout.encode(), messages.CoverageReport).models[0].n_layers_total == 30
+
+        table = await asyncio.to_thread(_run, "coverage", "--nats", bus.url, "--model", "smollm2-135m")
+        assert table.returncode == 0, table.stderr
+        assert "under-provisioned" in table.stdout and "15-29" in table.stdout and "single replica" in table.stdout
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rest, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, err
+    assert "tracker stopped" in rest
+
+
+async def test_cli_coverage_without_a_tracker_fails_with_one_clear_line(bus):
+    out = await asyncio.to_thread(_run, "coverage", "--nats", bus.url, "--timeout", "1")
+    assert out.returncode == 1
+    assert out.stderr.strip().startswith("error: no tracker answered on neuron.tracker.coverage")
+
+
+async def test_cli_tracker_on_an_unprovisioned_server_fails_clearly(nats_server):
+    out = await asyncio.to_thread(_run, "tracker", "--nats", nats_server.url)
+    assert out.returncode == 1 and "provision" in out.stderr
