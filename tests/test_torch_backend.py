@@ -186,8 +186,8 @@ def test_bf16_close_to_fp32(smollm2_path, smol_whole):
 def test_bf16_split_equals_bf16_whole(tiny):
     whole = run_chain([backend(tiny, 0, 4, "bfloat16")], "s", TINY_PROMPT, n_decode=3)
     split = run_chain([backend(tiny, 0, 2, "bfloat16"), backend(tiny, 2, 4, "bfloat16")], "s", TINY_PROMPT, n_decode=3)
-    for w, s in zip(whole, split):
-        np.testing.assert_allclose(s, w, rtol=0, atol=1e-2)
+    for w, s in zip(whole, split):  # bf16 -> float32 -> bf16 at the boundary is lossless
+        np.testing.assert_allclose(s, w, rtol=0, atol=1e-5)
 
 
 # -- bad input leaves other sessions intact --------------------------------------------------
@@ -316,6 +316,10 @@ def test_import_rejects_mismatched_snapshots(tiny):
         src.import_state("t", 16, 4, blob[:-1])
     with pytest.raises(BadInput):
         src.import_state("t", 16, 4, b"garbage" + blob)
+    with pytest.raises(BadInput):
+        src.import_state("t", 16, 4, blob[:10])
+    with pytest.raises(BadInput):
+        src.import_state("t", 0, 0, blob)
     assert list(src.sessions()) == ["s"] and other_range.sessions() == {}
 
 
@@ -362,7 +366,6 @@ def test_batched_decode_equals_solo_tiny(tiny):
         _batched_vs_solo(tiny, start, end, prompts)
 
 
-@pytest.mark.slow
 def test_batched_decode_equals_solo_smollm2(smollm2_path):
     _batched_vs_solo(smollm2_path, 0, 30, [PROMPT[:4], PROMPT, PROMPT[:7]], atol=1e-4)  # logits ~30
 

@@ -156,11 +156,11 @@ class TorchBackend(Backend):
         return b"".join(parts)
 
     def _import(self, session_id: str, n_ctx: int, position: int, blob: bytes) -> None:
-        if not 0 <= position <= n_ctx:
+        if not 0 <= position <= n_ctx or n_ctx <= 0:
             raise BadInput(f"position {position} does not fit n_ctx {n_ctx}")
-        if blob[: len(MAGIC)] != MAGIC:
-            raise BadInput("not a torch backend cache snapshot")
         start = len(MAGIC) + _HEADER_LEN.size
+        if blob[: len(MAGIC)] != MAGIC or len(blob) < start:
+            raise BadInput("not a torch backend cache snapshot")
         (n,) = _HEADER_LEN.unpack_from(blob, len(MAGIC))
         try:
             header = json.loads(blob[start : start + n])
@@ -175,9 +175,9 @@ class TorchBackend(Backend):
         half = cache.k[:, :position].nbytes
         if len(body) != 2 * half:
             raise BadInput(f"snapshot body is {len(body)} bytes, expected {2 * half}")
-        for dst, lo in ((cache.k, 0), (cache.v, half)):
-            raw = torch.frombuffer(bytearray(body[lo : lo + half]), dtype=torch.uint8) if half else None
-            if raw is not None:
+        if half:
+            for dst, lo in ((cache.k, 0), (cache.v, half)):
+                raw = torch.frombuffer(bytearray(body[lo : lo + half]), dtype=torch.uint8)
                 dst[:, :position] = raw.view(self.dtype).view(dst[:, :position].shape)
         self._caches[session_id] = cache
 

@@ -12,7 +12,7 @@ Hugging Face rotate-half layout into exactly this layout, so the weights are use
 Loading reads only the tensors of the range with ``gguf.GGUFReader`` (memory-mapped) and
 dequantizes them with ``gguf.quants.dequantize``; ``token_embd`` is dequantized only when the head
 needs it, or when the tail ties its lm_head to it. Weights and activations use one compute dtype
-(float32 or bfloat16); norms, RoPE and softmax run in float32.
+(float32 or bfloat16); norms (and their weights), RoPE and softmax stay in float32.
 """
 
 from __future__ import annotations
