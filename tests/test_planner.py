@@ -312,3 +312,35 @@ def test_layer_helpers():
     assert layers.uncovered_runs([(0, 5), (8, 10)], 12) == [(5, 8), (10, 12)]
     assert layers.reachable_from_start([(0, 5), (5, 9), (3, 12)]) == {0, 5, 9}
     assert layers.reaching_end([(0, 5), (5, 12), (3, 9)], 12) == {12, 5, 0}
+
+
+def test_registry_expires_forgets_and_ignores_contradicting_heartbeats():
+    from neuron_bus.tracker.registry import Registry
+
+    reg = Registry(TrackerParams(expiry=5.0, forget_after=60.0, assignment_window=30.0))
+    caps = report("a", 0, 30)
+    hb = messages.NodeHeartbeat(node_id="a", seq=1, ts=0.0, layer_start=0, layer_end=30, cache_abi=caps.cache_abi, decode_tokens_per_second=80.0)
+    reg.apply_heartbeat(hb, now=100.0)  # before its report: kept, and the report is wanted
+    assert reg.needs_report("a") and reg.views(100.0) == []
+    reg.apply_report(caps)
+    assert not reg.needs_report("a")
+    (view,) = reg.views(101.0)
+    assert view.alive and view.decode_tps == 80.0 and view.usable
+    assert reg.sweep(101.0) == (["a"], [])
+    assert reg.sweep(106.0) == ([], ["a"]) and not reg.views(106.0)[0].alive
+    # A heartbeat for another range: the report is stale, the node unusable until re-read.
+    reg.apply_heartbeat(msgspec_replace(hb, layer_end=20), now=107.0)
+    assert reg.needs_report("a") and not reg.views(107.0)[0].usable
+    route = to_assignment(plan_route(request(), [node("a", 0, 30)]), request(), "r", 0.0)
+    reg.record_assignment(route, now=107.0)
+    assert reg.views(108.0)[0].recently_assigned == 1
+    reg.sweep(138.0)
+    assert reg.views(138.0)[0].recently_assigned == 0
+    reg.sweep(200.0)
+    assert reg.views(200.0) == []  # silent for longer than forget_after
+
+
+def msgspec_replace(struct, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(struct, **changes)

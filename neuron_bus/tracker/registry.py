@@ -80,9 +80,8 @@ class Registry:
             elif not alive and entry.was_alive:
                 expired.append(node_id)
             entry.was_alive = alive
-            silent_since = entry.last_seen if entry.last_seen is not None else None
-            if not alive and silent_since is not None and now - silent_since > self.params.forget_after:
-                del self._nodes[node_id]
+            if not alive and entry.last_seen is not None and now - entry.last_seen > self.params.forget_after:
+                del self._nodes[node_id]  # reports never followed by a heartbeat stay (shown as expired)
             while entry.assigned and now - entry.assigned[0] > self.params.assignment_window:
                 entry.assigned.popleft()
         return sorted(joined), sorted(expired)
