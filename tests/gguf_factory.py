@@ -74,7 +74,7 @@ def write_tiny_llama(path: Path | str, cfg: TinyLlama = TinyLlama()) -> Path:
         q = quant or cfg.quant
         if q == "Q8_0" and cols % 32 == 0:
             data = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, data, raw_shape=arr.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, data, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(name, arr)
 

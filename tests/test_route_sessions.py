@@ -66,7 +66,7 @@ def reference(smollm2_path):
     from workers.tokenizer import Tokenizer
 
     tok = Tokenizer(smollm2_path)
-    backend = LlamaCppFullBackend(smollm2_path, threads=1, selfbench=False)
+    backend = LlamaCppFullBackend(smollm2_path, n_threads=1, n_ctx=4608, max_sessions=1)
 
     def greedy(prompt_ids: list[int], n: int) -> list[int]:
         backend.open_session("ref", len(prompt_ids) + n)
@@ -144,7 +144,7 @@ def test_wrong_route_or_session_is_rejected_before_model_work(swarm, reference):
 
             sub = await c.nc.subscribe(S.session_error(sid), cb=on_error)
             for i, hop in enumerate(route.hops):
-                await c.control(hop.node_id, M.SessionOpen(session_id=sid, route=route, hop_index=i, prompt_tokens=4, n_ctx=64))
+                await c.control(hop.node_id, M.SessionOpen(session_id=sid, route=route, hop_index=i, prompt_tokens=4, n_ctx=512))
             tail = route.hops[1].node_id
             before = await c.sessions(tail)
             js = c.nc.jetstream()

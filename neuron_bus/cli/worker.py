@@ -100,6 +100,8 @@ def worker(
     max_decode_batch: int = typer.Option(8, help="Decode steps of different sessions run together."),
     slow_ms: float = typer.Option(0.0, hidden=True, help="Fault injection: delay every backend call."),
     dtype: str = typer.Option("float32", help="torch backend compute dtype: float32 | bfloat16."),
+    n_ctx: int = typer.Option(4608, help="llama-cpp: positions per session (prompt + generated)."),
+    max_sessions: int = typer.Option(8, help="llama-cpp: concurrent sessions (KV slots) per worker."),
 ) -> None:
     """Load a layer range of a GGUF model and serve every route assigned to it."""
     from neuron_bus.worker.service import WorkerOptions
@@ -118,13 +120,14 @@ def worker(
             path = models.resolve(model)
             start, end = parse_layers(layers, GGUFModel(path).n_layers)
             preset, revision, artifact_id = models.preset_for(path), models.revision(path), ""
+        from workers.errors import BackendError
         from workers.registry import open_backend  # execution lives in workers/
-
-        be = open_backend(backend, path, start, end, threads=threads, dtype=dtype)
         from workers.tokenizer import Tokenizer
 
+        opts = {"dtype": dtype} if backend == "torch" else {"n_ctx": n_ctx, "max_sessions": max_sessions}
+        be = open_backend(backend, path, start, end, threads=threads, **opts)
         tok = Tokenizer(path)
-    except (ArtifactError, models.UnknownModel, ValueError) as exc:
+    except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
     report = build_report(node_id, be, path, preset, revision, artifact_id, trust_tier)
     options = WorkerOptions(idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms)
