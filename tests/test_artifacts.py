@@ -74,8 +74,14 @@ def tiny_manifest(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def smol_manifest(smollm2_path):
-    return build_manifest(smollm2_path)
+def smol_model(smollm2_path) -> GGUFModel:
+    """Opened once: parsing SmolLM2's tokenizer metadata takes seconds."""
+    return GGUFModel(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def smol_manifest(smol_model):
+    return build_manifest(smol_model)
 
 
 # ------------------------------------------------------------------------------------------
@@ -222,28 +228,28 @@ def test_every_tiny_range_slices_loads_and_proves_itself(tiny_model, tiny_manife
 
 @pytest.mark.slow
 @pytest.mark.parametrize("start,end", [(0, 15), (15, 30), (5, 10), (0, 30), (29, 30)])
-def test_smollm2_slices_load_and_prove_themselves(smollm2_path, smol_manifest, tmp_path, start, end):
-    path = slice_gguf(smollm2_path, start, end, tmp_path / "s.gguf", smol_manifest.artifact_id)
+def test_smollm2_slices_load_and_prove_themselves(smol_model, smol_manifest, tmp_path, start, end):
+    path = slice_gguf(smol_model, start, end, tmp_path / "s.gguf", smol_manifest.artifact_id)
     assert load_in_llama_cpp(path) == 576
     assert verify(tmp_path, smol_manifest).ranges == [(start, end)]
 
 
 @pytest.mark.slow
-def test_verify_original_and_slice_directories(smollm2_path, smol_manifest, tmp_path):
+def test_verify_original_and_slice_directories(smollm2_path, smol_model, smol_manifest, tmp_path):
     m = smol_manifest
     assert verify(smollm2_path, m).ranges == [(0, 30)]
     tail = tmp_path / "tail"
-    slice_gguf(smollm2_path, 15, 30, tail / "s.gguf", m.artifact_id)
+    slice_gguf(smol_model, 15, 30, tail / "s.gguf", m.artifact_id)
     assert verify(tail, m).ranges == [(15, 30)]
     # A head slice beside it: the directory proves the whole model between them.
     both = tmp_path / "both"
     shutil.copytree(tail, both)
-    slice_gguf(smollm2_path, 0, 15, both / "head.gguf", m.artifact_id)
+    slice_gguf(smol_model, 0, 15, both / "head.gguf", m.artifact_id)
     assert verify(both, m).ranges == [(0, 30)]
     # Two middle slices with a gap.
     gap = tmp_path / "gap"
-    slice_gguf(smollm2_path, 2, 5, gap / "a.gguf", m.artifact_id)
-    slice_gguf(smollm2_path, 8, 10, gap / "b.gguf", m.artifact_id)
+    slice_gguf(smol_model, 2, 5, gap / "a.gguf", m.artifact_id)
+    slice_gguf(smol_model, 8, 10, gap / "b.gguf", m.artifact_id)
     assert verify(gap, m).ranges == [(2, 5), (8, 10)]
 
 
