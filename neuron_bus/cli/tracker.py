@@ -132,7 +132,7 @@ def render(report: messages.CoverageReport, model: str | None = None) -> None:
                 spell(a, b),
                 f"[{style}]{row.status}[/]",
                 ", ".join(row.replicas) or "-",
-                f"{row.capacity_tokens_per_second:g}",
+                f"{row.capacity_tokens_per_second:.1f}",
                 "; ".join(row.reasons),
             )
         console.print(table)
@@ -150,10 +150,10 @@ def render(report: messages.CoverageReport, model: str | None = None) -> None:
                 n.model_preset,
                 spell(n.layer_start, n.layer_end),
                 n.status,
-                "-" if n.decode_tokens_per_second is None else f"{n.decode_tokens_per_second:g}",
+                "-" if n.decode_tokens_per_second is None else f"{n.decode_tokens_per_second:.1f}",
                 str(max(n.sessions_active, n.recently_assigned)),
                 str(n.queue_depth),
-                "-" if n.rtt_ms is None else f"{n.rtt_ms:g}",
+                "-" if n.rtt_ms is None else f"{n.rtt_ms:.1f}",
                 "yes" if n.slow else "",
             )
         console.print(nodes)

@@ -112,7 +112,7 @@ def rebalance_hint(rows: Sequence[LayerCoverage], ranges: Sequence[tuple[int, in
         a, b, row = min(pool, key=lambda r: (r[2].capacity_tokens_per_second, len(r[2].replicas), r[0]))
         label = "under-provisioned" if weak else "least capacity"
         detail = "; ".join(row.reasons) or f"{len(row.replicas)} replicas"
-        why = f"{label}: layers {layers.spell(a, b)} ({detail}; {row.capacity_tokens_per_second:g} tok/s)"
+        why = f"{label}: layers {layers.spell(a, b)} ({detail}; {row.capacity_tokens_per_second:.1f} tok/s)"
     start = max(x for x in layers.reachable_from_start(ranges) if x <= a)
     end = min(y for y in layers.reaching_end(ranges, n) if y >= b)
     if (start, end) != (a, b):
