@@ -91,7 +91,9 @@ class NeuronClient:
         return reply
 
     async def route(self, model_preset: str = DEFAULT_PRESET, wire_dtype: str = "f32", encoding: str = "raw", **pins) -> M.RouteAssignment:
-        req = M.RouteRequest(request_id=uuid.uuid4().hex, model_preset=model_preset, wire_dtype=wire_dtype, **pins)
+        req = M.RouteRequest(
+            request_id=uuid.uuid4().hex, model_preset=model_preset, wire_dtype=wire_dtype, encoding=encoding, **pins
+        )
         try:
             msg = await self.nc.request(S.ROUTE_REQUEST, M.encode(req), timeout=CONTROL_TIMEOUT_S)
         except Exception as exc:
@@ -99,8 +101,6 @@ class NeuronClient:
         reply = M.decode(msg.data, M.RouteReply)
         if isinstance(reply, M.RouteRejection):
             raise RouteError("no_route", "no route: " + "; ".join(reply.reasons))
-        if encoding != reply.encoding:
-            reply.encoding = encoding
         return reply
 
     async def sessions(self, node_id: str) -> M.SessionsReport:

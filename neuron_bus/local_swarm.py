@@ -116,7 +116,7 @@ class LocalSwarm:
     async def _provision(self, **kw) -> None:
         nc = await connect(self.url, max_reconnect_attempts=3)
         try:
-            await ensure_topology(nc.jetstream(), **kw)
+            await ensure_topology(nc.jetstream(), update=True, **kw)
         finally:
             await nc.close()
 

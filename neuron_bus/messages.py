@@ -99,6 +99,7 @@ class RouteRequest(Struct):
     cache_abi: str | None = None
     policy: RoutePolicy = "public"
     wire_dtype: WireDtype = "f32"
+    encoding: Encoding = "raw"
 
 
 class RouteHop(Struct):

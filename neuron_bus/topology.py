@@ -154,8 +154,14 @@ def topology(replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) ->
     return Topology(streams, kv, objects)
 
 
-async def ensure_topology(js: JetStreamContext, replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) -> Topology:
-    """Create what is missing, update streams whose config drifted; safe to call repeatedly."""
+async def ensure_topology(
+    js: JetStreamContext, replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW, update: bool = False
+) -> Topology:
+    """Create what is missing; safe to call repeatedly.
+
+    With ``update`` (the operator's `neuron-bus server`), existing streams also take this config;
+    without it (workers, clients), streams an operator configured are left as they are.
+    """
     topo = topology(replicas, prefill_window)
     for cfg in topo.streams:
         try:
@@ -163,6 +169,8 @@ async def ensure_topology(js: JetStreamContext, replicas: int = 1, prefill_windo
         except NotFoundError:
             await js.add_stream(cfg)
         else:
+            if not update:
+                continue
             try:
                 await js.update_stream(cfg)
             except BadRequestError:

@@ -18,7 +18,7 @@ async def provision(url: str, replicas: int, prefill_window: int = DEFAULT_PREFI
     """Create the streams and buckets on a running server; return their names."""
     nc = await connect(url, name="neuron-bus-provision", max_reconnect_attempts=3)
     try:
-        topo = await ensure_topology(nc.jetstream(), replicas=replicas, prefill_window=prefill_window)
+        topo = await ensure_topology(nc.jetstream(), replicas=replicas, prefill_window=prefill_window, update=True)
     finally:
         await nc.close()
     return [s.name for s in topo.streams] + [k.bucket for k in topo.kv] + [o.bucket for o in topo.objects]

@@ -82,7 +82,7 @@ async def serve(url: str, backend, tokenizer, report: M.CapabilityReport, option
     )
     await stop.wait()
     await service.stop()
-    await nc.drain()
+    await nc.close()
 
 
 @app.command()

@@ -221,7 +221,7 @@ def to_assignment(plan: Plan, req: RouteRequest, route_id: str, now: float) -> R
             for i, h in enumerate(plan.hops)
         ],
         wire_dtype=req.wire_dtype,
-        encoding=getattr(req, "encoding", "raw"),
+        encoding=req.encoding,
         created_at=now,
     )
 

@@ -75,7 +75,7 @@ class WorkerService:
         self._subs: list = []
         self._hb_seq = 0
         self._rejected: dict[str, int] = {}
-        self._tokens_window: deque[tuple[float, str, int]] = deque()
+        self._work_window: deque[tuple[float, str, int, float]] = deque()  # (when, phase, positions, busy s)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -329,11 +329,13 @@ class WorkerService:
             fn = b.decode_step if phase == "decode" else b.prefill
             return [fn(s.session_id, h.position, x)]
 
+        started = time.monotonic()
         outs = await self._call(run)
+        busy = time.monotonic() - started
         self.metrics.backend_calls.labels(phase).inc()
         n = sum(x.shape[0] for _, _, x in items)
         self.metrics.tokens.labels(phase).inc(n)
-        self._tokens_window.append((time.monotonic(), phase, n))
+        self._work_window.append((started, phase, n, busy))
         return outs
 
     async def _forward(self, s: HopSession, header: M.ActivationHeader, n: int, out: np.ndarray) -> None:
@@ -415,13 +417,15 @@ class WorkerService:
         self.metrics.cache_bytes.set(sum(self.backend.cache_bytes(s.session_id) for s in self.sessions))
 
     def _measured_tps(self, phase: str) -> float:
+        """Positions per busy second over the last 30 s of real work (capacity, not load)."""
         now = time.monotonic()
-        while self._tokens_window and now - self._tokens_window[0][0] > 10.0:
-            self._tokens_window.popleft()
-        n = sum(k for t, p, k in self._tokens_window if p == phase)
-        if n < 8:  # not enough real work yet: the self-benchmark stands
+        while self._work_window and now - self._work_window[0][0] > 30.0:
+            self._work_window.popleft()
+        work = [(n, busy) for _, p, n, busy in self._work_window if p == phase]
+        n, busy = sum(w[0] for w in work), sum(w[1] for w in work)
+        if n < 8 or busy <= 0:  # not enough real work yet: the self-benchmark stands
             return self.report.decode_tokens_per_second if phase == "decode" else self.report.prefill_tokens_per_second
-        return n / 10.0
+        return n / busy
 
     async def _heartbeat(self) -> None:
         self._hb_seq += 1

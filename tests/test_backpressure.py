@@ -1,0 +1,92 @@
+"""Backpressure: a slow hop stalls its upstream instead of any buffer growing (real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import psutil
+import pytest
+
+from neuron_bus import messages as M
+from neuron_bus import subjects as S
+from neuron_bus.client import NeuronClient
+from neuron_bus.local_swarm import LocalSwarm
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+WINDOW = 2
+
+
+def prompt(tokenizer, n: int) -> list[int]:
+    return tokenizer.encode("Waves roll over the quiet harbour at dawn. " * (n // 6 + 8))[:n]
+
+
+async def watch_generation(swarm: LocalSwarm, ids: list[int], chunk: int, pids: dict[str, int]):
+    """Run one generation; meanwhile sample per-subject queue depth and each hop's RSS."""
+    depth: dict[str, int] = {}
+    in_flight: dict[str, int] = {}  # most prefill messages a hop held un-acknowledged
+    rss = {name: [] for name in pids}
+    async with await NeuronClient.connect(swarm.url) as client:
+        js = client.nc.jetstream()
+        route = await client.route(swarm.preset)
+        gen = asyncio.create_task(
+            client.complete(prompt_tokens=ids, route=route, chunk_size=chunk, sampling=M.SamplingParams(max_tokens=2, ignore_eos=True))
+        )
+        while not gen.done():
+            info = await js.stream_info(S.STREAM_PREFILL, subjects_filter=f"neuron.act.{route.route_id}.>")
+            for subject, count in (info.state.subjects or {}).items():
+                depth[subject] = max(depth.get(subject, 0), count)
+            for c in await js.consumers_info(S.STREAM_PREFILL):
+                if c.config.filter_subject and route.route_id in c.config.filter_subject:
+                    subject = c.config.filter_subject
+                    in_flight[subject] = max(in_flight.get(subject, 0), c.num_ack_pending)
+            for name, pid in pids.items():
+                rss[name].append(psutil.Process(pid).memory_info().rss)
+            await asyncio.sleep(0.02)
+        result = await gen
+    return route, result, depth, in_flight, rss
+
+
+def test_slow_hop_holds_its_upstream_to_the_window(smollm2_path, tmp_path):
+    from workers.tokenizer import Tokenizer
+
+    ids = prompt(Tokenizer(smollm2_path), 640)
+    swarm = LocalSwarm(
+        smollm2_path, 2, workdir=tmp_path, prefill_window=WINDOW,
+        worker_extra={1: ["--slow-ms", "150"]},  # the tail takes 150 ms more per chunk
+    )
+    with swarm:
+        pids = {n: p.pid for n, p in swarm.procs.items() if n.startswith("worker")}
+        started = time.monotonic()
+        route, result, depth, in_flight, _ = asyncio.run(watch_generation(swarm, ids, 32, pids))  # 20 chunks
+        elapsed = time.monotonic() - started
+    assert len(result.tokens) == 2
+    tail_subject = S.hop_input(route.route_id, 1, "prefill")
+    head_subject = S.hop_input(route.route_id, 0, "prefill")
+    # the slow hop's input filled up to the window and never past it; so did the head's
+    assert depth.get(tail_subject) == WINDOW
+    assert max(depth.values()) <= WINDOW
+    assert depth.get(head_subject, 0) <= WINDOW
+    assert max(in_flight.values()) <= 1  # each hop works on one chunk at a time
+    # and the whole prompt waited on the slow hop (20 chunks x 150 ms), it was not buffered ahead
+    assert elapsed > 20 * 0.15
+
+
+def test_prefill_memory_of_every_hop_is_bounded_by_chunk_size(smollm2_path, tmp_path):
+    """During a 4K prefill every hop holds at most one chunk in flight (MaxAckPending 1) and at
+    most WINDOW chunks wait for it in the stream; its RSS grows by its KV, not by the prompt."""
+    from workers.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_path)
+    swarm = LocalSwarm(smollm2_path, 2, workdir=tmp_path, prefill_window=WINDOW)
+    with swarm:
+        pids = {n: p.pid for n, p in swarm.procs.items() if n.startswith("worker")}
+        _, result, depth, in_flight, rss = asyncio.run(watch_generation(swarm, prompt(tok, 4096), 256, pids))
+    assert len(result.tokens) == 2
+    assert max(depth.values()) <= WINDOW
+    assert max(in_flight.values()) <= 1
+    # KV of 15 layers for 4K positions: 2 (k, v) x 3 KV heads x 64 dims x 2 bytes (f16) per layer
+    kv_bytes = 4096 * 15 * 2 * 3 * 64 * 2
+    for name, samples in rss.items():
+        assert max(samples) - samples[0] < kv_bytes + 32 * 2**20, (name, max(samples) - samples[0])
