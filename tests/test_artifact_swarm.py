@@ -186,7 +186,7 @@ def test_cli_publish_fetch_and_bad_input(nats_server, tiny, tmp_path):
     save_manifest(m, tmp_path / "m.json")
     # A manifest for a different file: refused before anything is put.
     (tmp_path / "other").mkdir()
-    other = write_tiny_llama(tmp_path / "other" / tiny.name, TinyLlama(quant="F32", seed=3))
+    other = write_tiny_llama(tmp_path / "other" / tiny.name, TinyLlama(seed=3))
     assert_one_line_error(cli("publish", other, "--manifest", tmp_path / "m.json"), "different file")
     assert_one_line_error(cli("fetch", "--model", m.artifact_id, "--layers", "0-1", "-o", tmp_path / "o"), "not in the store")
 

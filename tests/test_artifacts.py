@@ -21,7 +21,7 @@ from tests.gguf_factory import TinyLlama, write_tiny_llama
 
 CLI = str(Path(sys.executable).parent / "neuron-bus")
 PIECE = 4096  # small pieces so the tiny model has many
-TINY = TinyLlama(quant="F32")
+TINY = TinyLlama()  # Q8_0 blocks
 
 
 def run_cli(*args) -> subprocess.CompletedProcess:
@@ -63,14 +63,8 @@ def file_sha(path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """The 4-layer synthetic llama with F32 weights (write_tiny_llama's Q8_0 path fails on gguf 0.19)."""
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", TINY)
-
-
-@pytest.fixture(scope="module")
-def tiny_manifest(tiny_model):
-    return build_manifest(tiny_model, piece_size=PIECE)
+def tiny_manifest(tiny_gguf):
+    return build_manifest(tiny_gguf, piece_size=PIECE)
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +82,14 @@ def smol_manifest(smol_model):
 # Manifest
 
 
-def test_manifest_fields_and_hashes(tiny_model, tiny_manifest, tmp_path):
+def test_manifest_fields_and_hashes(tiny_gguf, tiny_manifest, tmp_path):
     m = tiny_manifest
-    model = GGUFModel(tiny_model)
-    size = tiny_model.stat().st_size
-    assert m.file_hashes[0].name == tiny_model.name and m.file_hashes[0].size == size
-    assert m.file_hashes[0].sha256 == file_sha(tiny_model)
+    model = GGUFModel(tiny_gguf)
+    size = tiny_gguf.stat().st_size
+    assert m.file_hashes[0].name == tiny_gguf.name and m.file_hashes[0].size == size
+    assert m.file_hashes[0].sha256 == file_sha(tiny_gguf)
     assert m.model_preset == "tiny-llama" and m.runtime_backend == "llama.cpp"
-    assert m.quantization == "F32" and m.context_cap == 512 and m.piece_size == PIECE
+    assert m.quantization == "Q8_0" and m.context_cap == 512 and m.piece_size == PIECE
     cd = m.cache_descriptor
     assert (cd.architecture, cd.n_layers, cd.n_kv_heads, cd.head_dim, cd.hidden_size) == ("llama", 4, 2, 16, 64)
     assert cd.kv_bytes_per_token_per_layer == 2 * 16 * 2 * 2  # K and V, 2 heads x 16, f16
@@ -103,7 +97,7 @@ def test_manifest_fields_and_hashes(tiny_model, tiny_manifest, tmp_path):
     assert set(m.layer_to_artifact_map) == {"0", "1", "2", "3"}
 
     # Pieces tile the file exactly, never exceed piece_size, and hash what they cover.
-    data = tiny_model.read_bytes()
+    data = tiny_gguf.read_bytes()
     offset = 0
     for i, p in enumerate(m.piece_hashes):
         assert p.index == i and p.offset == offset and 0 < p.length <= PIECE
@@ -127,8 +121,8 @@ def test_manifest_fields_and_hashes(tiny_model, tiny_manifest, tmp_path):
         assert {p.region for p in covered} == {f"blk.{e.layer}" if e.layer is not None else e.name}
 
     # Content-derived id; JSON round trip.
-    assert build_manifest(tiny_model, piece_size=PIECE).artifact_id == m.artifact_id
-    assert build_manifest(tiny_model, piece_size=2 * PIECE).artifact_id != m.artifact_id
+    assert build_manifest(tiny_gguf, piece_size=PIECE).artifact_id == m.artifact_id
+    assert build_manifest(tiny_gguf, piece_size=2 * PIECE).artifact_id != m.artifact_id
     path = save_manifest(m, tmp_path / "m.json")
     assert load_manifest(path) == m
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
@@ -182,7 +176,7 @@ def test_plan_middle_range_needs_no_embedding(smol_manifest):
 
 
 def test_plan_untied_tail_needs_output(tmp_path):
-    path = write_tiny_llama(tmp_path / "untied.gguf", TinyLlama(quant="F32", tie_embeddings=False))
+    path = write_tiny_llama(tmp_path / "untied.gguf", TinyLlama(tie_embeddings=False))
     m = build_manifest(path, piece_size=PIECE)
     assert set(plan(m, 2, 4).shared_pieces) == {"output_norm.weight", "output.weight"}
     assert set(plan(m, 0, 2).shared_pieces) == {"output_norm.weight", "token_embd.weight"}
@@ -216,10 +210,10 @@ def load_in_llama_cpp(path: Path) -> int:
         llm.close()
 
 
-def test_every_tiny_range_slices_loads_and_proves_itself(tiny_model, tiny_manifest, tmp_path):
+def test_every_tiny_range_slices_loads_and_proves_itself(tiny_gguf, tiny_manifest, tmp_path):
     for start, end in all_ranges(4):
         d = tmp_path / f"r{start}-{end}"
-        path = slice_gguf(tiny_model, start, end, d / "slice.gguf", tiny_manifest.artifact_id)
+        path = slice_gguf(tiny_gguf, start, end, d / "slice.gguf", tiny_manifest.artifact_id)
         assert load_in_llama_cpp(path) == 64
         report = verify(d, tiny_manifest)
         assert report.ranges == [(start, end)], (start, end, report.problem)
@@ -253,12 +247,12 @@ def test_verify_original_and_slice_directories(smollm2_path, smol_model, smol_ma
     assert verify(gap, m).ranges == [(2, 5), (8, 10)]
 
 
-def test_verify_sparse_reassembly_proves_only_its_pieces(tiny_model, tiny_manifest, tmp_path):
+def test_verify_sparse_reassembly_proves_only_its_pieces(tiny_gguf, tiny_manifest, tmp_path):
     """A copy holding only the pieces of layers 1-2 (holes elsewhere) proves exactly 1-2."""
     m = tiny_manifest
     pl = plan(m, 1, 3)
-    data = tiny_model.read_bytes()
-    sparse = tmp_path / tiny_model.name
+    data = tiny_gguf.read_bytes()
+    sparse = tmp_path / tiny_gguf.name
     with open(sparse, "wb") as f:
         f.truncate(len(data))
         for i in pl.pieces:
@@ -270,10 +264,10 @@ def test_verify_sparse_reassembly_proves_only_its_pieces(tiny_model, tiny_manife
     assert not report.sources[0].ok and "do not match" in report.problem
 
 
-def test_verify_rejects_tampered_and_foreign_slices(tiny_model, tiny_manifest, tmp_path):
+def test_verify_rejects_tampered_and_foreign_slices(tiny_gguf, tiny_manifest, tmp_path):
     m = tiny_manifest
     # One flipped byte inside block 1's tensors: layer 1 is no longer proven.
-    path = slice_gguf(tiny_model, 0, 4, tmp_path / "t" / "s.gguf", m.artifact_id)
+    path = slice_gguf(tiny_gguf, 0, 4, tmp_path / "t" / "s.gguf", m.artifact_id)
     t = GGUFModel(path).by_name["blk.1.ffn_up.weight"]
     with open(path, "r+b") as f:
         f.seek(t.offset + 7)
@@ -284,12 +278,12 @@ def test_verify_rejects_tampered_and_foreign_slices(tiny_model, tiny_manifest, t
     assert report.ranges == [(0, 1), (2, 4)]
     assert "blk.1.ffn_up.weight" in report.problem
     # A slice recorded as another artifact's.
-    slice_gguf(tiny_model, 0, 2, tmp_path / "o" / "s.gguf", "0" * 32)
+    slice_gguf(tiny_gguf, 0, 2, tmp_path / "o" / "s.gguf", "0" * 32)
     report = verify(tmp_path / "o", m)
     assert report.ranges == [] and "not " + m.artifact_id in report.problem
     # A slice of different weights (same shapes and metadata) without an artifact id.
     (tmp_path / "w").mkdir()
-    other = write_tiny_llama(tmp_path / "w" / "tiny-llama.gguf", TinyLlama(quant="F32", seed=1))
+    other = write_tiny_llama(tmp_path / "w" / "tiny-llama.gguf", TinyLlama(seed=1))
     slice_gguf(other, 1, 3, tmp_path / "x" / "s.gguf")
     report = verify(tmp_path / "x", m)
     assert report.ranges == [] and "tensors do not match" in report.problem
@@ -298,8 +292,8 @@ def test_verify_rejects_tampered_and_foreign_slices(tiny_model, tiny_manifest, t
     assert report.ranges == [] and "do not match" in report.problem
 
 
-def test_verify_file_of_another_model(tiny_model, smol_manifest):
-    report = verify(tiny_model, smol_manifest)
+def test_verify_file_of_another_model(tiny_gguf, smol_manifest):
+    report = verify(tiny_gguf, smol_manifest)
     assert report.ranges == [] and f"not a file of artifact {smol_manifest.artifact_id}" in report.problem
 
 
@@ -307,8 +301,8 @@ def test_verify_file_of_another_model(tiny_model, smol_manifest):
 # gguf-split models
 
 
-def test_split_model_manifest_plan_slice_verify(tiny_model, tiny_manifest, tmp_path):
-    files = write_split(tiny_model, tmp_path / "split", max_tensors=10)
+def test_split_model_manifest_plan_slice_verify(tiny_gguf, tiny_manifest, tmp_path):
+    files = write_split(tiny_gguf, tmp_path / "split", max_tensors=10)
     assert len(files) >= 3
     shuffled = files[:]
     random.Random(0).shuffle(shuffled)
@@ -328,7 +322,7 @@ def test_split_model_manifest_plan_slice_verify(tiny_model, tiny_manifest, tmp_p
     assert verify(tmp_path / "split", m).ranges == [(0, 4)]
     # A slice of the split set is the slice of the single file, and proves itself against either.
     s1 = slice_gguf(GGUFModel(files), 1, 3, tmp_path / "a" / "s.gguf")
-    s2 = slice_gguf(tiny_model, 1, 3, tmp_path / "b" / "s.gguf")
+    s2 = slice_gguf(tiny_gguf, 1, 3, tmp_path / "b" / "s.gguf")
     assert file_sha(s1) == file_sha(s2)
     assert verify(tmp_path / "a", m).ranges == [(1, 3)]
     assert load_in_llama_cpp(s1) == 64
@@ -342,8 +336,8 @@ def test_split_model_manifest_plan_slice_verify(tiny_model, tiny_manifest, tmp_p
 # CLI, including bad input: one line on stderr, non-zero exit, nothing half-written
 
 
-def test_cli_manifest_plan_slice_verify(tiny_model, tmp_path):
-    res = run_cli("manifest", tiny_model, "-o", tmp_path / "m.json", "--piece-size", PIECE, "--revision", "r1")
+def test_cli_manifest_plan_slice_verify(tiny_gguf, tmp_path):
+    res = run_cli("manifest", tiny_gguf, "-o", tmp_path / "m.json", "--piece-size", PIECE, "--revision", "r1")
     assert res.returncode == 0, res.stderr
     m = load_manifest(tmp_path / "m.json")
     assert m.upstream_revision == "r1" and m.artifact_id in res.stdout
@@ -352,7 +346,7 @@ def test_cli_manifest_plan_slice_verify(tiny_model, tmp_path):
     import json
 
     assert json.loads(res.stdout)["pieces"] == plan(m, 1, 3).pieces
-    res = run_cli("slice", tiny_model, "--layers", "1-2", "-o", tmp_path / "d" / "s.gguf", "--manifest", tmp_path / "m.json")
+    res = run_cli("slice", tiny_gguf, "--layers", "1-2", "-o", tmp_path / "d" / "s.gguf", "--manifest", tmp_path / "m.json")
     assert res.returncode == 0, res.stderr
     res = run_cli("verify", tmp_path / "d", "--manifest", tmp_path / "m.json", "--json")
     assert res.returncode == 0, res.stderr
@@ -369,8 +363,8 @@ def test_cli_not_a_gguf(tmp_path):
     assert not out.exists()
 
 
-def test_cli_truncated_gguf(tiny_model, tmp_path):
-    data = tiny_model.read_bytes()
+def test_cli_truncated_gguf(tiny_gguf, tmp_path):
+    data = tiny_gguf.read_bytes()
     out = tmp_path / "out"
     for cut in (len(data) - 100, 2000, 10):  # inside the tensor data, inside the header, in the preamble
         bad = tmp_path / "truncated.gguf"
@@ -380,19 +374,19 @@ def test_cli_truncated_gguf(tiny_model, tmp_path):
     assert not out.exists()
 
 
-def test_cli_layer_range_outside_the_model(tiny_model, tmp_path):
+def test_cli_layer_range_outside_the_model(tiny_gguf, tmp_path):
     out = tmp_path / "out"
-    assert_one_line_error(run_cli("slice", tiny_model, "--layers", "2-4", "-o", out / "s.gguf"), "outside the model", "0-3")
-    assert_one_line_error(run_cli("slice", tiny_model, "--layers", "3-1", "-o", out / "s.gguf"), "bad layer range")
-    save_manifest(build_manifest(tiny_model, piece_size=PIECE), tmp_path / "m.json")
+    assert_one_line_error(run_cli("slice", tiny_gguf, "--layers", "2-4", "-o", out / "s.gguf"), "outside the model", "0-3")
+    assert_one_line_error(run_cli("slice", tiny_gguf, "--layers", "3-1", "-o", out / "s.gguf"), "bad layer range")
+    save_manifest(build_manifest(tiny_gguf, piece_size=PIECE), tmp_path / "m.json")
     assert_one_line_error(run_cli("plan", tmp_path / "m.json", "--layers", "0-9"), "outside the model")
     assert not out.exists()
 
 
-def test_cli_manifest_for_a_different_file(tiny_model, tmp_path):
-    save_manifest(build_manifest(tiny_model, piece_size=PIECE), tmp_path / "m.json")
+def test_cli_manifest_for_a_different_file(tiny_gguf, tmp_path):
+    save_manifest(build_manifest(tiny_gguf, piece_size=PIECE), tmp_path / "m.json")
     (tmp_path / "other").mkdir()
-    other = write_tiny_llama(tmp_path / "other" / tiny_model.name, TinyLlama(quant="F32", seed=7))
+    other = write_tiny_llama(tmp_path / "other" / tiny_gguf.name, TinyLlama(seed=7))
     assert_one_line_error(run_cli("verify", other, "--manifest", tmp_path / "m.json"), "do not match")
     out = tmp_path / "out"
     err = assert_one_line_error(
@@ -401,7 +395,7 @@ def test_cli_manifest_for_a_different_file(tiny_model, tmp_path):
     )
     assert "Traceback" not in err
     assert not out.exists()
-    other2 = write_tiny_llama(tmp_path / "other2.gguf", TinyLlama(quant="F32", n_layers=2))
+    other2 = write_tiny_llama(tmp_path / "other2.gguf", TinyLlama(n_layers=2))
     assert_one_line_error(run_cli("verify", other2, "--manifest", tmp_path / "m.json"), "not a file of artifact")
     (tmp_path / "junk.json").write_text('{"hello": 1}')
-    assert_one_line_error(run_cli("verify", tiny_model, "--manifest", tmp_path / "junk.json"), "not an artifact manifest")
+    assert_one_line_error(run_cli("verify", tiny_gguf, "--manifest", tmp_path / "junk.json"), "not an artifact manifest")
