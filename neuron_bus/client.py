@@ -58,6 +58,8 @@ class Generation:
 
 CONTROL_TIMEOUT_S = 30.0
 STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route is considered dead
+HEARTBEAT_LOSS_S = 3.0  # a route node silent this long (workers heartbeat every second) is lost
+LIVENESS_CHECK_S = 0.5
 
 
 class NeuronClient:
@@ -140,6 +142,7 @@ class NeuronClient:
         progress = GenerationProgress(session_id, "", model_preset, [], 0)
         opened: list[str] = []
         sender: asyncio.Task | None = None
+        watcher: asyncio.Task | None = None
         route_obj = route
         try:
             yield await self._publish_progress(progress)
@@ -148,6 +151,7 @@ class NeuronClient:
             progress.route_id = route_obj.route_id
             progress.nodes = [h.node_id for h in route_obj.hops]
             progress.finish("loading")
+            watcher = await self._watch_nodes(progress.nodes, events, subs)
             yield await self._publish_progress(progress)
             head = route_obj.hops[0].node_id
             if prompt_tokens is None:
@@ -166,19 +170,24 @@ class NeuronClient:
                     ),
                 )
                 opened.append(hop.node_id)
+            progress.prefill(0)
+            yield await self._publish_progress(progress)
             sender = asyncio.create_task(self._send_prompt(route_obj, session_id, prompt_tokens, chunk_size))
             async for event in self._events(events, sender, progress):
                 yield event
                 if isinstance(event, M.TokenDelta) and event.finished:
                     break
         except RouteError as exc:
-            progress.finish("failed", f"{exc.reason}: {exc}")
-            exc.phase = progress.phase if progress.phase != "failed" else exc.phase
+            if exc.phase == "queued":  # raised outside the event loop (route, tokenize, open): the client's phase
+                exc.phase = progress.phase
+            where = f" at node {exc.node_id}" if exc.node_id else ""
+            progress.finish("failed", f"{exc.reason} in phase {exc.phase}{where}: {exc}")
             await self._publish_progress(progress)
             raise
         finally:
-            if sender:
-                sender.cancel()
+            for task in (sender, watcher):
+                if task:
+                    task.cancel()
             for sub in subs:
                 await sub.unsubscribe()
             for node in opened:
@@ -187,8 +196,32 @@ class NeuronClient:
                 except RouteError:
                     pass  # the node is gone; its cache went with it
 
+    async def _watch_nodes(self, nodes: list[str], events: asyncio.Queue, subs: list) -> asyncio.Task:
+        """Follow the route nodes' heartbeats; queue ("lost", node) when one falls silent."""
+        seen = {node: time.monotonic() for node in nodes}
+
+        def beat(node: str):
+            async def cb(msg) -> None:
+                seen[node] = time.monotonic()
+
+            return cb
+
+        for node in seen:
+            subs.append(await self.nc.subscribe(S.node_heartbeat(node), cb=beat(node)))
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(LIVENESS_CHECK_S)
+                now = time.monotonic()
+                for node, at in seen.items():
+                    if now - at > HEARTBEAT_LOSS_S:
+                        events.put_nowait(("lost", (node, now - at)))
+                        return
+
+        return asyncio.create_task(watch())
+
     async def _events(self, events: asyncio.Queue, sender: asyncio.Task, progress: GenerationProgress):
-        last_phase = "loading"
+        last_phase = "prefill"
         while True:
             if sender.done() and sender.exception():
                 exc = sender.exception()
@@ -199,6 +232,11 @@ class NeuronClient:
                 raise RouteError(
                     "stalled", f"no progress from route {progress.route_id} for {STALL_TIMEOUT_S:.0f}s", phase=last_phase
                 ) from None
+            if kind == "lost":
+                node, silent = data
+                raise RouteError(
+                    "node_lost", f"node {node} sent no heartbeat for {silent:.1f}s", phase=last_phase, node_id=node
+                )
             if kind == "error":
                 err = M.decode(data, M.SessionError)
                 if err.fatal:
