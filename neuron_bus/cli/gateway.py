@@ -1,0 +1,30 @@
+"""`neuron-bus gateway`: the HTTP/WebSocket front door of a running bus."""
+
+from __future__ import annotations
+
+import asyncio
+
+import typer
+
+from neuron_bus.cli.app import NatsOption, app, fail
+
+
+@app.command()
+def gateway(
+    nats: str = NatsOption,
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8080, min=1, max=65535, help="HTTP port."),
+    max_context: int = typer.Option(4096, min=2, help="Prompt + generated tokens per request at most (413 beyond)."),
+    chunk_size: int = typer.Option(128, min=1, help="Prefill chunk size in tokens (progress granularity)."),
+) -> None:
+    """Serve the OpenAI-compatible API, the WebSocket /ws, the web page, /metrics and /healthz."""
+    from neuron_bus.gateway.app import serve
+    from neuron_bus.gateway.validation import Limits
+
+    def ready(url: str) -> None:
+        typer.echo(f"gateway on {url} (OpenAI API {url}/v1, WebSocket {url.replace('http', 'ws', 1)}/ws)", err=True)
+
+    try:
+        asyncio.run(serve(nats, host, port, Limits(max_context=max_context), chunk_size, on_ready=ready))
+    except OSError as exc:  # no NATS server, or the port is taken
+        fail(f"gateway cannot start: {exc}")

@@ -1,0 +1,1 @@
+"""The HTTP/WebSocket gateway: OpenAI-compatible API, WebSocket sessions, web page, metrics."""

@@ -1,0 +1,226 @@
+"""The gateway's side of the bus: models and coverage from the tracker, routes, prompts, sessions.
+
+One :class:`NeuronClient` (one NATS connection) serves every request; generations run through
+``NeuronClient.generate`` and attached sessions are followed on their JetStream subjects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from neuron_bus import messages as M
+from neuron_bus import subjects as S
+from neuron_bus.client import STALL_TIMEOUT_S, NeuronClient, RouteError
+from neuron_bus.gateway.metrics import GatewayMetrics
+from neuron_bus.gateway.validation import ApiError, GenRequest, Limits
+
+TRACKER_TIMEOUT_S = 3.0
+ATTACH_GRACE_S = 2.0  # after a "done" telemetry, wait this long for the last token to replay
+
+
+@dataclass
+class Prepared:
+    """A request with its route and prompt tokens, checked against the context limit."""
+
+    req: GenRequest
+    route: M.RouteAssignment
+    prompt_tokens: list[int]
+
+    @property
+    def nodes(self) -> list[str]:
+        return [h.node_id for h in self.route.hops]
+
+
+@dataclass
+class Tally:
+    """What a generation produced so far (for non-streaming answers and final messages)."""
+
+    prompt_tokens: int
+    session_id: str = ""
+    deltas: list[M.TokenDelta] = field(default_factory=list)
+    telemetry: M.GenerationTelemetry | None = None
+    finish_reason: str | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    def add(self, event) -> None:
+        self.session_id = event.session_id
+        if isinstance(event, M.GenerationTelemetry):
+            self.telemetry = event
+            return
+        self.deltas.append(event)
+        if event.finished:
+            self.finish_reason = event.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for d in self.deltas)
+
+    def usage(self) -> dict:
+        n = len(self.deltas)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+
+def routable(report: M.CoverageReport) -> list[str]:
+    """Presets with at least one live replica on every layer: the tracker can route them now."""
+    return sorted({m.model_preset for m in report.models if m.layers and all(l.replicas for l in m.layers)})
+
+
+def route_error_body(exc: RouteError, session_id: str | None = None) -> dict:
+    """The final error of a failed generation, for every channel: reason, phase, node."""
+    return {
+        "message": str(exc), "type": "route_error", "param": None, "code": exc.reason,
+        "reason": exc.reason, "phase": exc.phase, "node_id": exc.node_id, "session_id": session_id,
+    }
+
+
+class Bus:
+    def __init__(self, client: NeuronClient, limits: Limits, metrics: GatewayMetrics, chunk_size: int = 128):
+        self.client = client
+        self.limits = limits
+        self.metrics = metrics
+        self.chunk_size = chunk_size
+
+    # ------------------------------------------------------------------ tracker
+
+    async def coverage(self, model_preset: str | None = None) -> M.CoverageReport:
+        try:
+            msg = await self.client.nc.request(
+                S.TRACKER_COVERAGE, M.encode(M.CoverageRequest(model_preset=model_preset)), timeout=TRACKER_TIMEOUT_S
+            )
+        except Exception as exc:
+            raise ApiError(503, f"no tracker answered on {S.TRACKER_COVERAGE}: {type(exc).__name__}",
+                           type="service_unavailable", code="no_tracker") from None
+        return M.decode(msg.data, M.CoverageReport)
+
+    async def models(self) -> list[str]:
+        return routable(await self.coverage())
+
+    async def health(self) -> dict:
+        nats_ok = self.client.nc.is_connected
+        try:
+            models = await self.models() if nats_ok else []
+            tracker_ok = True
+        except ApiError:
+            models, tracker_ok = [], False
+        return {"status": "ok" if nats_ok and tracker_ok else "degraded", "nats": nats_ok, "tracker": tracker_ok, "models": models}
+
+    # ------------------------------------------------------------------ generation
+
+    async def prepare(self, req: GenRequest) -> Prepared:
+        """Route the request's model and tokenize its prompt on the route's head (chat template there)."""
+        report = await self.coverage()
+        ready = routable(report)
+        model = req.model or (ready[0] if ready else None)
+        if model not in ready:
+            if model is not None and model not in {m.model_preset for m in report.models}:
+                raise ApiError(404, f"the model '{model}' does not exist on this swarm; models: {', '.join(ready) or 'none'}",
+                               param="model", code="model_not_found")
+            raise ApiError(503, f"the model '{model}' has no complete route right now (layers without a live node)",
+                           type="service_unavailable", param="model", code="no_route")
+        req.model = model
+        try:
+            route = await self.client.route(model)
+            tokens = req.prompt_tokens
+            if tokens is None:
+                tokenize = M.TokenizeRequest(text=req.prompt, messages=req.messages)
+                tokens = (await self.client.control(route.hops[0].node_id, tokenize)).tokens
+        except RouteError as exc:
+            raise ApiError(503, str(exc), type="service_unavailable", code=exc.reason, phase=exc.phase, node_id=exc.node_id) from None
+        if not tokens:
+            raise ApiError(422, "the prompt has no tokens", param="prompt", code="empty_prompt")
+        if len(tokens) + req.sampling.max_tokens > self.limits.max_context:
+            raise ApiError(
+                413, f"the prompt has {len(tokens)} tokens and max_tokens is {req.sampling.max_tokens}: more than this "
+                f"gateway's context of {self.limits.max_context} tokens", param="messages" if req.messages else "prompt",
+                code="context_length_exceeded",
+            )
+        return Prepared(req, route, tokens)
+
+    async def stream(self, p: Prepared) -> AsyncIterator[M.TokenDelta | M.GenerationTelemetry]:
+        """The generation's telemetry and token deltas; raises RouteError when the route fails."""
+        self.metrics.active.inc()
+        self.metrics.tokens.labels("prompt").inc(len(p.prompt_tokens))
+        gen = self.client.generate(
+            prompt_tokens=p.prompt_tokens, route=p.route, sampling=p.req.sampling, model_preset=p.req.model,
+            chunk_size=self.chunk_size,
+        )
+        seen: set[tuple] = set()  # the client yields its own telemetry and hears it again on the bus
+        try:
+            async with aclosing(gen):
+                async for event in gen:
+                    if isinstance(event, M.TokenDelta):
+                        self.metrics.tokens.labels("completion").inc()
+                    else:
+                        key = (event.ts, event.phase, event.prefill_tokens_done, event.generated_tokens)
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                    yield event
+        except RouteError as exc:
+            self.metrics.errors.labels("generation", exc.reason).inc()
+            raise
+        finally:
+            self.metrics.active.dec()
+
+    async def attach(self, session_id: str) -> AsyncIterator[M.TokenDelta | M.GenerationTelemetry]:
+        """Follow an existing session: its latest telemetry, then every token (replayed) and update."""
+        try:
+            S.check_token(session_id, "session id")
+        except ValueError as exc:
+            raise ApiError(422, str(exc), param="session_id", code="invalid_value") from None
+        js = self.client.js
+        try:
+            await js.get_last_msg(S.STREAM_TELEMETRY, S.telemetry(session_id))
+        except NotFoundError:
+            raise ApiError(404, f"no session {session_id} on the bus", param="session_id", code="unknown_session") from None
+        events: asyncio.Queue = asyncio.Queue()
+
+        def into(kind: str):
+            async def cb(msg) -> None:
+                events.put_nowait((kind, msg.data))
+
+            return cb
+
+        subs = [
+            await js.subscribe(S.telemetry(session_id), cb=into("telemetry"), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST),
+            await js.subscribe(S.session_tokens(session_id), cb=into("token"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL),
+            await js.subscribe(S.session_error(session_id), cb=into("error"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL),
+        ]
+        last_phase, timeout = "queued", STALL_TIMEOUT_S
+        try:
+            while True:
+                try:
+                    kind, data = await asyncio.wait_for(events.get(), timeout)
+                except asyncio.TimeoutError:
+                    if timeout == ATTACH_GRACE_S:
+                        return  # done, and the final token is no longer on the bus
+                    raise RouteError("stalled", f"session {session_id}: no progress for {timeout:.0f}s", phase=last_phase) from None
+                if kind == "error":
+                    err = M.decode(data, M.SessionError)
+                    if err.fatal:
+                        raise RouteError(err.code, err.message, phase=err.phase, node_id=err.node_id)
+                    continue
+                if kind == "telemetry":
+                    t = M.decode(data, M.GenerationTelemetry)
+                    if t.phase == "failed":
+                        raise RouteError("route_failed", t.failure_reason or "route failed", phase=last_phase)
+                    last_phase = t.phase
+                    if t.phase == "done":
+                        timeout = ATTACH_GRACE_S
+                    yield t
+                    continue
+                delta = M.decode(data, M.TokenDelta)
+                last_phase = "decode"
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            for sub in subs:
+                await sub.unsubscribe()

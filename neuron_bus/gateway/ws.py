@@ -1,0 +1,128 @@
+"""WebSocket ``/ws``: start or attach to a generation and follow it live.
+
+Client -> server (JSON text frames):
+  {"type": "generate", "prompt": "..." | "messages": [...], "max_tokens", "temperature", "top_p", "top_k",
+   "seed", "stop", "logprobs", "ignore_eos", "model"}   (one generation at a time per socket)
+  {"type": "attach", "session_id": "..."}               follow an existing session
+  {"type": "coverage"}                                   the swarm's coverage and routable models
+Server -> client:
+  {"type": "telemetry", ...GenerationTelemetry}          queued, loading, prefill progress, decode tok/s
+  {"type": "token", ...TokenDelta}
+  {"type": "done", "session_id", "finish_reason", "text", "usage", "nodes", "telemetry"}
+  {"type": "error", "request", "reason", "message", "phase", "node_id", "session_id", "status", "error_type", "code", "param"}
+      (request: the message type it answers; for generate/attach it is the final message)
+  {"type": "coverage", "models": [...], "report": CoverageReport}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import aclosing
+
+import msgspec
+from aiohttp import WSMsgType, web
+
+from neuron_bus import messages as M
+from neuron_bus.client import RouteError
+from neuron_bus.gateway.bus import Bus, Tally, route_error_body, routable
+from neuron_bus.gateway.openai_api import BUS
+from neuron_bus.gateway.validation import ApiError, ws_request
+
+
+async def websocket(request: web.Request) -> web.WebSocketResponse:
+    ws = web.WebSocketResponse(heartbeat=30)
+    await ws.prepare(request)
+    await Socket(ws, request.app[BUS]).serve()
+    return ws
+
+
+class Socket:
+    """One WebSocket client: at most one generation (or attachment) at a time."""
+
+    def __init__(self, ws: web.WebSocketResponse, bus: Bus):
+        self.ws = ws
+        self.bus = bus
+
+    async def serve(self) -> None:
+        task: asyncio.Task | None = None
+        try:
+            async for msg in self.ws:
+                if msg.type != WSMsgType.TEXT:
+                    continue
+                try:
+                    data = json.loads(msg.data)
+                    kind = data.get("type") if isinstance(data, dict) else None
+                except ValueError as exc:
+                    await self.error(ApiError(400, f"not JSON: {exc}", code="invalid_json"))
+                    continue
+                if kind == "coverage":
+                    await self.guard(self.coverage(), "coverage")
+                elif kind in ("generate", "attach"):
+                    if task and not task.done():
+                        await self.error(ApiError(409, "a generation is already running on this socket", code="busy"))
+                        continue
+                    self.bus.metrics.requests.labels(f"/ws {kind}").inc()
+                    run = self.generate(data) if kind == "generate" else self.attach(data)
+                    task = asyncio.create_task(self.guard(run, kind))
+                else:
+                    await self.error(ApiError(400, f"unknown message type {kind!r}", param="type", code="invalid_value"))
+        finally:
+            if task and not task.done():
+                task.cancel()  # the client left: closing the generation closes its route session
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def guard(self, coro, request: str) -> None:
+        """Run one request; a refused request becomes an error message, never a closed socket."""
+        try:
+            await coro
+        except ApiError as exc:
+            await self.error(exc, request)
+        except ConnectionResetError:
+            pass
+
+    async def error(self, exc: ApiError, request: str | None = None) -> None:
+        self.bus.metrics.errors.labels("/ws", str(exc.status)).inc()
+        await self.send(self._error_message(exc.body()["error"], request, exc.status, phase="queued", reason=exc.code))
+
+    @staticmethod
+    def _error_message(body: dict, request: str | None, status: int, **defaults) -> dict:
+        """An error body (OpenAI shape, plus phase/node/reason) as a final WebSocket message."""
+        msg = {"node_id": None, "session_id": None, **defaults, **body}
+        return {**msg, "type": "error", "error_type": body["type"], "request": request, "status": status}
+
+    async def send(self, obj: dict) -> None:
+        if not self.ws.closed:
+            await self.ws.send_str(json.dumps(obj))
+
+    async def follow(self, events, tally: Tally) -> None:
+        try:
+            async with aclosing(events):
+                async for event in events:
+                    tally.add(event)
+                    kind = "telemetry" if isinstance(event, M.GenerationTelemetry) else "token"
+                    await self.send({"type": kind, **msgspec.to_builtins(event)})
+        except RouteError as exc:  # the final word of a failed route: reason, phase, node
+            self.bus.metrics.errors.labels("/ws", "502").inc()
+            await self.send(self._error_message(route_error_body(exc, tally.session_id), "generate", 502))
+            return
+        await self.send({
+            "type": "done", "session_id": tally.session_id, "finish_reason": tally.finish_reason, "text": tally.text,
+            "usage": tally.usage(), "nodes": tally.telemetry.active_route_nodes if tally.telemetry else [],
+            "telemetry": msgspec.to_builtins(tally.telemetry) if tally.telemetry else None,
+        })
+
+    async def generate(self, data: dict) -> None:
+        prepared = await self.bus.prepare(ws_request(data, self.bus.limits))
+        await self.follow(self.bus.stream(prepared), Tally(len(prepared.prompt_tokens)))
+
+    async def attach(self, data: dict) -> None:
+        session_id = data.get("session_id")
+        if not isinstance(session_id, str):
+            raise ApiError(400, "missing required parameter 'session_id'", param="session_id", code="missing_required_parameter")
+        tally = Tally(0, session_id=session_id)
+        await self.follow(self.bus.attach(session_id), tally)
+
+    async def coverage(self) -> None:
+        report = await self.bus.coverage()
+        await self.send({"type": "coverage", "models": routable(report), "report": msgspec.to_builtins(report)})
