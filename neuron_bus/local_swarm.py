@@ -1,4 +1,5 @@
-"""A swarm on this machine: the embedded nats-server, a tracker and N workers, as real processes.
+"""A swarm on this machine: the embedded nats-server, a tracker, N workers and optionally the
+gateway, as real processes.
 
 Used by `neuron-bus up`, the benchmarks and the integration tests alike. Layers are split evenly;
 each worker gets its own thread budget (one by default: several processes share few cores).
@@ -12,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +60,8 @@ class LocalSwarm:
         worker_extra: dict[int, list[str]] | None = None,
         tracker_extra: list[str] | None = None,
         prefill_window: int | None = None,
+        gateway_port: int | None = None,
+        gateway_extra: list[str] | None = None,
     ):
         self.model_path = Path(model_path)
         self.preset = preset_for(self.model_path)
@@ -76,11 +81,17 @@ class LocalSwarm:
             WorkerSpec(r, f"worker-{i}", list((worker_extra or {}).get(i, []))) for i, r in enumerate(ranges)
         ]
         self.tracker_extra = tracker_extra or []
+        self.gateway_port = gateway_port
+        self.gateway_extra = gateway_extra or []
         self.procs: dict[str, subprocess.Popen] = {}
 
     @property
     def url(self) -> str:
         return self.server.url
+
+    @property
+    def gateway_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.gateway_port}" if self.gateway_port else None
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "ab")
@@ -111,7 +122,28 @@ class LocalSwarm:
             self.start_worker(spec)
         step("waiting for a complete route")
         self.wait_ready(timeout)
+        if self.gateway_port:
+            step(f"gateway on {self.gateway_url}")
+            self._spawn("gateway", ["gateway", "--nats", self.url, "--port", str(self.gateway_port), *self.gateway_extra])
+            self.wait_gateway(timeout)
         return self
+
+    def wait_gateway(self, timeout: float) -> None:
+        """Block until the gateway answers /healthz with 200 (NATS connected, tracker answering)."""
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            proc = self.procs["gateway"]
+            if proc.poll() is not None:
+                raise NeuronBusError("swarm_failed", f"gateway exited with {proc.returncode}: {self.log_tail('gateway')}")
+            try:
+                with urllib.request.urlopen(f"{self.gateway_url}/healthz", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError) as exc:
+                last = str(exc)
+            time.sleep(0.3)
+        raise NeuronBusError("swarm_not_ready", f"gateway not ready after {timeout:.0f}s: {last}")
 
     async def _provision(self, **kw) -> None:
         nc = await connect(self.url, max_reconnect_attempts=3)

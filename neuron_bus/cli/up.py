@@ -26,18 +26,22 @@ def up(
     threads: int = typer.Option(1, min=1, help="Threads per worker."),
     nats_port: int = typer.Option(4222, help="Client port of the embedded nats-server."),
     http_port: int = typer.Option(8222, help="Monitoring port of the embedded nats-server."),
+    port: int = typer.Option(8080, min=0, max=65535, help="HTTP port of the gateway (web page, OpenAI API); 0: no gateway."),
     workdir: Path = typer.Option(None, help="Store and logs (default: a temporary directory)."),
     prompt: str = typer.Option(None, help="Once up, stream one generation of this prompt."),
     max_tokens: int = typer.Option(48, help="Tokens for --prompt."),
 ) -> None:
-    """Start nats-server, a tracker and N workers on this machine; stop them all on Ctrl-C."""
+    """Start nats-server, a tracker, N workers and the gateway on this machine; stop them all on Ctrl-C."""
     console = Console(stderr=True)
     try:
         path = models.resolve(model)
     except models.UnknownModel as exc:
         fail(str(exc))
     work = workdir or Path(tempfile.mkdtemp(prefix="neuron-bus-up-"))
-    swarm = LocalSwarm(path, shards, backend=backend, threads=threads, workdir=work, nats_port=nats_port, http_port=http_port)
+    swarm = LocalSwarm(
+        path, shards, backend=backend, threads=threads, workdir=work, nats_port=nats_port, http_port=http_port,
+        gateway_port=port or None,
+    )
     try:
         with console.status("starting the swarm") as status:
             swarm.start(on_step=lambda text: status.update(f"starting: {text}"))
@@ -50,6 +54,8 @@ def up(
     console.print(f"[green]swarm up[/green]: {swarm.preset}, {len(swarm.workers)} workers on {swarm.url}; logs in {work}")
     for w in swarm.workers:
         console.print(f"  {w.node_id}: layers {w.layers[0]}-{w.layers[1] - 1}")
+    if swarm.gateway_url:
+        console.print(f"gateway: {swarm.gateway_url}  (web page; OpenAI API at {swarm.gateway_url}/v1; /metrics, /healthz)")
     console.print(f'try: neuron-bus generate "Tell me about the sea" --nats {swarm.url}    (Ctrl-C here stops the swarm)')
     try:
         if prompt:
