@@ -1,0 +1,77 @@
+"""The gateway's web page in a real headless browser (Debian chromium + chromedriver, selenium)
+against a real swarm and gateway process."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.test_gateway import start_swarm
+
+pytestmark = pytest.mark.timeout(600)
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+
+
+@pytest.fixture(scope="module")
+def swarm(smollm2_path, tmp_path_factory):
+    s = start_swarm(smollm2_path, tmp_path_factory.mktemp("browser-swarm"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def browser(tmp_path):
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.fail("chromium and chromedriver are missing: scripts/setup installs them (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'chromium'}"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_page_submits_a_prompt_and_shows_streamed_text_and_a_finished_state(swarm, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(swarm.gateway_url + "/")
+    wait = WebDriverWait(browser, 60, poll_frequency=0.05)
+    text = lambda el_id: browser.find_element(By.ID, el_id).text  # noqa: E731
+
+    # the swarm's coverage, from the tracker, over the WebSocket
+    wait.until(lambda d: "worker-1" in text("coverage"))
+    coverage = text("coverage")
+    assert "smollm2-135m (llama-cpp, 30 layers): 30 " in coverage  # every layer has a replica (one each here)
+    assert "worker-0 smollm2-135m 0–14 yes" in coverage and "worker-1 smollm2-135m 15–29 yes" in coverage
+
+    box = browser.find_element(By.ID, "prompt")
+    box.send_keys("Write a short poem about the sea.")
+    tokens = browser.find_element(By.ID, "max_tokens")
+    tokens.clear()
+    tokens.send_keys("40")
+    browser.find_element(By.ID, "send").click()
+
+    # streamed text appears while the generation runs, then the finished state
+    wait.until(lambda d: text("output").strip() and browser.find_element(By.ID, "status").get_attribute("data-state") == "running")
+    partial = text("output")
+    wait.until(lambda d: browser.find_element(By.ID, "status").get_attribute("data-state") != "running")
+    assert browser.find_element(By.ID, "status").get_attribute("data-state") == "done", text("error")
+    assert text("phase") == "done"
+    assert text("status").startswith("finished:")
+    final = text("output")
+    assert final.startswith(partial.rstrip()) and len(final) >= len(partial)
+    assert text("nodes") == "worker-0 → worker-1"
+    assert text("tps") not in ("", "–")
+    assert int(text("generated")) >= 1
+    assert text("error") == ""
