@@ -62,6 +62,7 @@ class LocalSwarm:
         prefill_window: int | None = None,
         gateway_port: int | None = None,
         gateway_extra: list[str] | None = None,
+        from_store: bool = False,
     ):
         self.model_path = Path(model_path)
         self.preset = preset_for(self.model_path)
@@ -76,6 +77,8 @@ class LocalSwarm:
             )
         )
         self.prefill_window = prefill_window
+        self.from_store = from_store  # publish the model to the shard swarm; workers fetch their range
+        self.artifact_id: str | None = None
         ranges = ranges or even_split(self.n_layers, shards)
         self.workers = [
             WorkerSpec(r, f"worker-{i}", list((worker_extra or {}).get(i, []))) for i, r in enumerate(ranges)
@@ -104,7 +107,8 @@ class LocalSwarm:
     def start_worker(self, spec: WorkerSpec) -> subprocess.Popen:
         return self._spawn(
             spec.node_id,
-            ["worker", "--model", str(self.model_path), "--layers", format_layers(*spec.layers),
+            ["worker", *(["--artifact", self.artifact_id] if self.artifact_id else ["--model", str(self.model_path)]),
+             "--layers", format_layers(*spec.layers),
              "--backend", self.backend, "--nats", self.url, "--threads", str(self.threads),
              "--node-id", spec.node_id, *spec.extra],
         )
@@ -115,6 +119,9 @@ class LocalSwarm:
         self.server.start()
         kw = {"prefill_window": self.prefill_window} if self.prefill_window else {}
         asyncio.run(self._provision(**kw))
+        if self.from_store:
+            step("publishing the model to the shard swarm")
+            self.artifact_id = asyncio.run(self._publish())
         step("tracker")
         self._spawn("tracker", ["tracker", "--nats", self.url, *self.tracker_extra])
         for spec in self.workers:
@@ -149,6 +156,15 @@ class LocalSwarm:
         nc = await connect(self.url, max_reconnect_attempts=3)
         try:
             await ensure_topology(nc.jetstream(), update=True, **kw)
+        finally:
+            await nc.close()
+
+    async def _publish(self) -> str:
+        from neuron_bus.artifacts.swarm import publish
+
+        nc = await connect(self.url, max_reconnect_attempts=3)
+        try:
+            return (await publish(nc.jetstream(), [self.model_path])).artifact_id
         finally:
             await nc.close()
 
