@@ -18,7 +18,16 @@ from neuron_bus.cli.app import NatsOption, app, fail
 from neuron_bus.topology import connect, ensure_topology
 
 
-def build_report(node_id: str, backend, model_path, preset: str, revision: str, artifact_id: str, trust_tier: str) -> M.CapabilityReport:
+def slowed(tokens_per_second: float, positions_per_call: int, slow_ms: float) -> float:
+    """Throughput once every backend call takes ``slow_ms`` longer (injected slowness)."""
+    if not slow_ms or tokens_per_second <= 0:
+        return tokens_per_second
+    return positions_per_call / (positions_per_call / tokens_per_second + slow_ms / 1000.0)
+
+
+def build_report(
+    node_id: str, backend, model_path, preset: str, revision: str, artifact_id: str, trust_tier: str, slow_ms: float = 0.0
+) -> M.CapabilityReport:
     cap = backend.capability
     return M.CapabilityReport(
         node_id=node_id,
@@ -38,8 +47,8 @@ def build_report(node_id: str, backend, model_path, preset: str, revision: str, 
         supports_partial_artifacts=cap.supports_partial_artifacts,
         cache_abi=cap.cache_abi,
         cache_bytes_per_token_estimate=cap.cache_bytes_per_token_estimate,
-        prefill_tokens_per_second=cap.prefill_tokens_per_second,
-        decode_tokens_per_second=cap.decode_tokens_per_second,
+        prefill_tokens_per_second=slowed(cap.prefill_tokens_per_second, 256, slow_ms),
+        decode_tokens_per_second=slowed(cap.decode_tokens_per_second, 1, slow_ms),
         active_memory_floor=cap.active_memory_floor,
         trust_tier=trust_tier,
         started_at=time.time(),
@@ -102,6 +111,7 @@ def worker(
     dtype: str = typer.Option("float32", help="torch backend compute dtype: float32 | bfloat16."),
     n_ctx: int = typer.Option(4608, help="llama-cpp: positions per session (prompt + generated)."),
     max_sessions: int = typer.Option(8, help="llama-cpp: concurrent sessions (KV slots) per worker."),
+    flash_attn: bool = typer.Option(True, help="llama-cpp: flash attention (part of the cache ABI: every hop of a route must agree)."),
 ) -> None:
     """Load a layer range of a GGUF model and serve every route assigned to it."""
     from neuron_bus.worker.service import WorkerOptions
@@ -124,12 +134,12 @@ def worker(
         from workers.registry import open_backend  # execution lives in workers/
         from workers.tokenizer import Tokenizer
 
-        opts = {"dtype": dtype} if backend == "torch" else {"n_ctx": n_ctx, "max_sessions": max_sessions}
+        opts = {"dtype": dtype} if backend == "torch" else {"n_ctx": n_ctx, "max_sessions": max_sessions, "flash_attn": flash_attn}
         be = open_backend(backend, path, start, end, threads=threads, **opts)
         tok = Tokenizer(path)
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
-    report = build_report(node_id, be, path, preset, revision, artifact_id, trust_tier)
+    report = build_report(node_id, be, path, preset, revision, artifact_id, trust_tier, slow_ms)
     options = WorkerOptions(idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms)
     try:
         asyncio.run(serve(nats, be, tok, report, options, metrics_port))
