@@ -314,7 +314,7 @@ class LlamaCppModel:
         self.n_ctx_slot = L.llama_n_ctx_seq(self.ctx)
         self.memory = L.llama_get_memory(self.ctx)
         self._batches: dict[bool, Batch] = {}
-        self.lock = threading.Lock()  # one decode at a time per context
+        self.lock = threading.RLock()  # one llama.cpp call at a time per context
 
     # -- sizes -----------------------------------------------------------------------------
 
