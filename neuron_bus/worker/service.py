@@ -50,6 +50,7 @@ class WorkerOptions:
     heartbeat_interval: float = 1.0
     idle_timeout: float = 300.0
     max_decode_batch: int = 8
+    batch_wait_ms: float = 10.0  # how long hop 0 may hold a decode step for other sessions' steps
     decode_ack_pending: int = 256
     max_body: int = codec.DEFAULT_MAX_BODY
     slow_ms: float = 0.0  # add this much delay per backend call (fault injection for tests)
@@ -252,6 +253,7 @@ class WorkerService:
             while self._decode_q or self._prefill_q:
                 try:
                     if self._decode_q:
+                        await self._gather_decode_batch()
                         batch = [self._decode_q.popleft() for _ in range(min(len(self._decode_q), self.opts.max_decode_batch))]
                         await self._handle(batch, "decode")
                     else:
@@ -260,6 +262,31 @@ class WorkerService:
                     raise
                 except Exception:  # never let one message kill the loop
                     log.exception("worker %s: unexpected error while processing", self.node_id)
+
+    async def _gather_decode_batch(self) -> None:
+        """Micro-batching: wait briefly for the decode steps of the other sessions in decode here.
+
+        Each decoding session has one step circling the ring. Hop 0 waits up to ``batch_wait_ms``
+        for all of them, so the steps leave it as one wave; later hops only wait a moment for the
+        rest of that wave. The ring then settles into one backend call per hop per round.
+        """
+        if self.opts.batch_wait_ms <= 0:
+            return
+        sessions = [s for s in self.sessions if s.phase == "decode" and not s.finished]
+        target = min(len(sessions), self.opts.max_decode_batch)
+        is_head = any(s.is_head for s in sessions)
+        wait_ms = self.opts.batch_wait_ms if is_head else min(1.0, self.opts.batch_wait_ms)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_ms / 1000.0
+        while len(self._decode_q) < target:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._work.clear()
+            try:
+                await asyncio.wait_for(self._work.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
 
     def _admit(self, msg: Msg, phase: str) -> tuple[HopSession, M.ActivationHeader, np.ndarray] | None:
         """Decode and check one message; reject (and say so) before any model work."""

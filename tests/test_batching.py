@@ -1,0 +1,62 @@
+"""Cross-session batching: concurrent sessions share backend calls and keep their own KV."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import pytest
+
+from neuron_bus import messages as M
+from neuron_bus.client import NeuronClient
+from neuron_bus.local_swarm import LocalSwarm
+from neuron_bus.natsserver import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PROMPTS = [
+    "The history of the printing press",
+    "Recipe: a simple tomato soup. Ingredients:",
+    "def fibonacci(n):",
+    "Les montagnes des Alpes sont",
+]
+
+
+def counter(port: int, name: str, phase: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    for line in text.splitlines():
+        if line.startswith(f'{name}{{phase="{phase}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_concurrent_sessions_batch_decode_and_match_their_solo_runs(smollm2_path, tmp_path):
+    from workers.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_path)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    sampling = M.SamplingParams(max_tokens=32, ignore_eos=True)
+    ports = [free_port(), free_port()]
+    swarm = LocalSwarm(smollm2_path, 2, workdir=tmp_path, worker_extra={i: ["--metrics-port", str(p)] for i, p in enumerate(ports)})
+
+    async def one(client, ids):
+        return (await client.complete(prompt_tokens=ids, sampling=sampling)).tokens
+
+    async def solo():
+        async with await NeuronClient.connect(swarm.url) as c:
+            return [await one(c, ids) for ids in prompts]
+
+    async def together():
+        async with await NeuronClient.connect(swarm.url) as c:
+            return await asyncio.gather(*(one(c, ids) for ids in prompts))
+
+    with swarm:
+        alone = asyncio.run(solo())
+        calls0 = counter(ports[1], "neuron_backend_calls_total", "decode")
+        steps0 = counter(ports[1], "neuron_tokens_total", "decode")
+        both = asyncio.run(together())
+        calls = counter(ports[1], "neuron_backend_calls_total", "decode") - calls0
+        steps = counter(ports[1], "neuron_tokens_total", "decode") - steps0
+    assert list(both) == alone
+    assert steps == 4 * 31  # every decode step of every session went through the tail
+    assert calls < steps, f"{calls} backend calls for {steps} decode steps: nothing was batched"
