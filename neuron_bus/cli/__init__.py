@@ -9,6 +9,9 @@ from neuron_bus.cli import tracker as _tracker  # noqa: F401  (registers tracker
 from neuron_bus.cli.artifact import artifact_app
 
 app.add_typer(artifact_app, name="artifact")
+from neuron_bus.cli.audit import audit_app  # noqa: E402
+
+app.add_typer(audit_app, name="audit")
 
 
 def main() -> None:
