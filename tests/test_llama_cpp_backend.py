@@ -181,7 +181,8 @@ def test_boundary_node_is_last_l_out_and_returning_false_stops_the_graph(tiny_gg
 def test_tiny_split_matches_whole_model_for_any_prefill_chunking(tiny_gguf, tmp_path):
     full = LlamaCppFullBackend(tiny_gguf, **OPTS)
     head = LlamaCppRangeBackend(tiny_gguf, 0, 1, cache_dir=tmp_path, **OPTS)
-    mid = LlamaCppRangeBackend(tiny_gguf, 1, 3, cache_dir=tmp_path, **OPTS)
+    # chunks longer than n_batch run as several llama_decode calls (the tap collects each)
+    mid = LlamaCppRangeBackend(tiny_gguf, 1, 3, cache_dir=tmp_path, **{**OPTS, "n_batch": 4})
     tail = LlamaCppRangeBackend(tiny_gguf, 3, 4, cache_dir=tmp_path, **OPTS)
     ids = np.array([1] + [int(i) for i in np.random.default_rng(1).integers(3, 300, 19)], dtype=np.int32)
     for b in (full, head, mid, tail):
