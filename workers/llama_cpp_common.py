@@ -400,37 +400,6 @@ class LlamaCppModel:
     def seq_pos_max(self, seq_id: int) -> int:
         return L.llama_memory_seq_pos_max(self.memory, seq_id)
 
-    # -- text (whole models and head slices carry the vocabulary) ---------------------------
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        data = text.encode("utf-8")
-        cap = len(data) + 8
-        buf = (L.llama_token * cap)()
-        n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        if n < 0:
-            cap = -n
-            buf = (L.llama_token * cap)()
-            n = L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-        return list(buf[:n])
-
-    def detokenize(self, ids: list[int], remove_special: bool = False, unparse_special: bool = False) -> str:
-        arr = (L.llama_token * max(1, len(ids)))(*ids)
-        cap = 16 * len(ids) + 16
-        buf = ctypes.create_string_buffer(cap)
-        n = L.llama_detokenize(self.vocab, arr, len(ids), buf, cap, remove_special, unparse_special)
-        if n < 0:
-            cap = -n
-            buf = ctypes.create_string_buffer(cap)
-            n = L.llama_detokenize(self.vocab, arr, len(ids), buf, cap, remove_special, unparse_special)
-        return buf.raw[:n].decode("utf-8", "replace")
-
-    def token(self, kind: str) -> int:
-        """A special token id: "bos", "eos", "eot", "nl", "pad" (-1 when the model has none)."""
-        return int(getattr(L, f"llama_vocab_{kind}")(self.vocab))
-
-    def is_eog(self, token_id: int) -> bool:
-        return bool(L.llama_vocab_is_eog(self.vocab, token_id))
-
     def meta(self, key: str) -> str | None:
         return _meta_str(self.model, key)
 

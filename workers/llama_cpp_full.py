@@ -7,10 +7,12 @@ detokenizer, special token ids and the chat template.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from workers.errors import UnsupportedModel
 from workers.llama_cpp_range import LlamaCppRangeBackend
+from workers.tokenizer import Tokenizer
 
 
 class LlamaCppFullBackend(LlamaCppRangeBackend):
@@ -22,29 +24,33 @@ class LlamaCppFullBackend(LlamaCppRangeBackend):
             self.close()
             raise UnsupportedModel(f"{model_path} is a layer-range slice, not a whole model")
 
-    # -- text --------------------------------------------------------------------------------
+    # -- text (one tokenizer implementation for the whole project: workers.tokenizer) ----------
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer(self.file)
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_bos`` adds the model's BOS (if it uses one), ``special``
         parses special-token text such as ``<|im_start|>``."""
-        return self.model.tokenize(text, add_special=add_bos, parse_special=special)
+        return self.tokenizer.encode(text, add_bos=add_bos and self.tokenizer.add_bos, special=special)
 
     def detokenize(self, ids: list[int], special: bool = False) -> str:
         """Text of ``ids``; ``special`` renders special tokens as text instead of dropping them."""
-        return self.model.detokenize([int(i) for i in ids], remove_special=False, unparse_special=special)
+        return self.tokenizer.decode([int(i) for i in ids], special=special)
 
     @property
     def bos_id(self) -> int:
-        return self.model.token("bos")
+        return self.tokenizer.bos_id
 
     @property
     def eos_id(self) -> int:
-        return self.model.token("eos")
+        return self.tokenizer.eos_id
 
     def is_eog(self, token_id: int) -> bool:
         """End of generation: EOS, EOT and the like."""
-        return self.model.is_eog(token_id)
+        return self.tokenizer.is_end_of_generation(token_id)
 
     @property
     def chat_template(self) -> str | None:
-        return self.model.meta("tokenizer.chat_template")
+        return self.tokenizer.chat_template

@@ -24,16 +24,17 @@ class Tokenizer:
         self.chat_template = meta.get("tokenizer.chat_template")
         self._vocab = self._llama._model.vocab
 
-    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids; special tokens written in the text (e.g. <|im_start|>) are parsed."""
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids; with ``special``, special tokens written in the text (<|im_start|>) are parsed."""
         bos = self.add_bos if add_bos is None else add_bos
-        return self._llama.tokenize(text.encode("utf-8"), add_bos=bos, special=True)
+        return self._llama.tokenize(text.encode("utf-8"), add_bos=bos, special=special)
 
     def piece(self, token_id: int) -> bytes:
         return self._llama.detokenize([token_id])
 
-    def decode(self, ids: list[int]) -> str:
-        return self._llama.detokenize(ids).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], special: bool = False) -> str:
+        """Text of ``ids``; with ``special``, special tokens are rendered as text too."""
+        return self._llama.detokenize(ids, special=special).decode("utf-8", errors="replace")
 
     def is_end_of_generation(self, token_id: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token_id))
