@@ -46,7 +46,7 @@ def tracker(
     nats: str = NatsOption,
     expiry: float = typer.Option(_DEFAULTS.expiry, help="Seconds without a heartbeat before a node is dead."),
     slow_factor: float = typer.Option(
-        _DEFAULTS.slow_factor, help="A node this many times slower per layer than its group's reference is avoided."
+        _DEFAULTS.slow_factor, help="A node this many times slower per token than its group's nodes (for as many layers) is avoided."
     ),
     min_replicas: int = typer.Option(_DEFAULTS.min_replicas, help="Coverage: fewer live replicas is under-provisioned."),
     min_capacity: float = typer.Option(
@@ -159,5 +159,5 @@ def render(report: messages.CoverageReport, model: str | None = None) -> None:
         console.print(nodes)
     console.print(
         f"expiry {report.expiry_seconds:g}s · under-provisioned: < {report.min_replicas} replicas, "
-        f"only replicas > {report.slow_factor:g}x slower per layer, or < {report.min_capacity_tokens_per_second:g} tok/s"
+        f"only replicas > {report.slow_factor:g}x slower, or < {report.min_capacity_tokens_per_second:g} tok/s"
     )

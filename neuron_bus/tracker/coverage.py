@@ -4,7 +4,7 @@ Status of a layer (only usable nodes count: alive, ready, consistent):
 - ``gap``: no replica.
 - ``under-provisioned``: covered, but one failure or one straggler away from unusable; any of
   * fewer replicas than ``min_replicas`` (default 2: a single replica is a single point of failure),
-  * every replica is slow (speed.is_slow: ``slow_factor`` times the group's reference speed),
+  * every replica is slow (speed.is_slow: ``slow_factor`` times its peers' time per token),
   * measured capacity (sum of the replicas' decode tok/s) under ``min_capacity_tokens_per_second``
     (checked only when every replica has a measured throughput).
 - ``covered``: otherwise.
@@ -47,8 +47,8 @@ def coverage_report(
 def model_coverage(numerics: Numerics, nodes: Sequence[NodeView], params: TrackerParams) -> ModelCoverage:
     n = numerics.n_layers_total
     usable = [v for v in nodes if v.usable]
-    reference = speed.reference_seconds_per_layer(usable)
-    layer_rows = [layer_coverage(i, [v for v in usable if v.layer_start <= i < v.layer_end], reference, params) for i in range(n)]
+    slow = speed.slow_nodes(usable, params)
+    layer_rows = [layer_coverage(i, [v for v in usable if v.layer_start <= i < v.layer_end], slow, params) for i in range(n)]
     return ModelCoverage(
         model_preset=numerics.model_preset,
         model_revision=numerics.model_revision,
@@ -62,13 +62,13 @@ def model_coverage(numerics: Numerics, nodes: Sequence[NodeView], params: Tracke
     )
 
 
-def layer_coverage(layer: int, replicas: Sequence[NodeView], reference: float | None, params: TrackerParams) -> LayerCoverage:
+def layer_coverage(layer: int, replicas: Sequence[NodeView], slow: set[str], params: TrackerParams) -> LayerCoverage:
     capacity = sum(v.decode_tps or 0.0 for v in replicas)
     reasons = []
     if replicas and len(replicas) < params.min_replicas:
         reasons.append("single replica" if len(replicas) == 1 else f"{len(replicas)} replicas < {params.min_replicas}")
-    if replicas and all(speed.is_slow(v, reference, params) for v in replicas):
-        reasons.append(f"only slow replicas (>{params.slow_factor:g}x the group's time per layer)")
+    if replicas and all(v.node_id in slow for v in replicas):
+        reasons.append(f"only slow replicas (>{params.slow_factor:g}x the group's time per token for as many layers)")
     measured = all(v.decode_tps for v in replicas)
     if replicas and measured and capacity < params.min_capacity_tokens_per_second:
         reasons.append(f"capacity {capacity:.1f} tok/s < {params.min_capacity_tokens_per_second:g}")
@@ -124,7 +124,7 @@ def tracked_nodes(views: Sequence[NodeView], params: TrackerParams) -> list[Trac
     groups: dict[Numerics, list[NodeView]] = defaultdict(list)
     for v in views:
         groups[v.numerics].append(v)
-    reference = {k: speed.reference_seconds_per_layer([v for v in vs if v.usable]) for k, vs in groups.items()}
+    peers = {k: [v for v in vs if v.usable] for k, vs in groups.items()}
     return [
         TrackedNode(
             node_id=v.node_id,
@@ -143,7 +143,7 @@ def tracked_nodes(views: Sequence[NodeView], params: TrackerParams) -> list[Trac
             queue_depth=v.queue_depth,
             route_failure_rate=v.failure_rate,
             rtt_ms=None if v.rtt is None else round(v.rtt * 1000, 3),
-            slow=speed.is_slow(v, reference[v.numerics], params),
+            slow=speed.is_slow(v, peers[v.numerics], params),
         )
         for v in sorted(views, key=lambda v: (v.caps.model_preset, v.layer_start, v.node_id))
     ]

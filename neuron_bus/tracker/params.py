@@ -18,8 +18,8 @@ class TrackerParams:
     # A node without a measured throughput is assumed this many times slower per layer than its
     # group's reference: usable, but a measured node of reference speed is preferred.
     unmeasured_factor: float = 1.5
-    # A node is slow when its seconds per layer exceed this factor times the group reference
-    # (the lower median over the group's nodes with a measured throughput).
+    # A node is slow when its seconds per token exceed this factor times its reference: the lower
+    # median of what the group's measured nodes take per token for as many layers (speed.py).
     slow_factor: float = 3.0
     # Routes assigned within this window count as load on their nodes until heartbeats report
     # the sessions themselves.

@@ -117,26 +117,39 @@ def plan_route(req: RouteRequest, views: Sequence[NodeView], params: TrackerPara
         groups[v.numerics].append(v)
     plans, reasons = [], []
     for numerics in sorted(groups):
-        result = plan_group(groups[numerics], numerics, params)
+        others = [v for v in live if v.numerics != numerics]
+        result = plan_group(groups[numerics], numerics, params, others)
         if isinstance(result, Plan):
             plans.append(result)
         else:
-            qualifier = f" among nodes with cache ABI {numerics.cache_abi} (backend {numerics.backend_id}, revision {numerics.model_revision})"
-            reasons += [r + (qualifier if len(groups) > 1 else "") for r in result.reasons]
+            reasons += result.reasons
     if plans:
         return min(plans, key=lambda p: (p.seconds_per_token, [h.node_id for h in p.hops]))
     return Rejection(tuple(reasons))
 
 
-def plan_group(nodes: Sequence[NodeView], numerics: Numerics, params: TrackerParams) -> Plan | Rejection:
-    """Plan within one numerics group (every node may share a route with every other)."""
+def plan_group(
+    nodes: Sequence[NodeView], numerics: Numerics, params: TrackerParams, others: Sequence[NodeView] = ()
+) -> Plan | Rejection:
+    """Plan within one numerics group (every node may share a route with every other).
+
+    ``others``: the request's eligible nodes of other groups; when there are any, reasons say
+    which group they are about, and a gap names the nodes of other groups that serve its layers.
+    """
     n = numerics.n_layers_total
     ranges = [(v.layer_start, v.layer_end) for v in nodes]
     gaps = layers.uncovered_runs(ranges, n)
+    qualifier = (
+        f" among nodes with cache ABI {numerics.cache_abi} (backend {numerics.backend_id}, revision {numerics.model_revision})"
+        if others
+        else ""
+    )
     if gaps:
-        return Rejection(tuple(f"coverage gap at layers {layers.spell(a, b)}" for a, b in gaps))
+        return Rejection(
+            tuple(f"coverage gap at layers {layers.spell(a, b)}{qualifier}{_served_elsewhere(a, b, numerics, others)}" for a, b in gaps)
+        )
     reference = speed.reference_seconds_per_layer(nodes)
-    slow = {v.node_id for v in nodes if speed.is_slow(v, reference, params)}
+    slow = speed.slow_nodes(nodes, params)
     best = None
     if slow:
         best = cheapest_ring([v for v in nodes if v.node_id not in slow], n, reference, params)
@@ -148,11 +161,27 @@ def plan_group(nodes: Sequence[NodeView], numerics: Numerics, params: TrackerPar
         return Rejection(
             (
                 f"no chain of node ranges covers layers {layers.spell(0, n)}: chains from layer 0 end "
-                f"before layer(s) {', '.join(map(str, stuck))}, where no node starts",
+                f"before layer(s) {', '.join(map(str, stuck))}, where no node starts{qualifier}",
             )
         )
     cost, hops = best
     return Plan(hops, cost, numerics, tuple(h.node_id for h in hops if h.node_id in slow))
+
+
+def _served_elsewhere(a: int, b: int, numerics: Numerics, others: Sequence[NodeView]) -> str:
+    """"; layers a-b are served only by nodes that cannot share a route with this group: ..." or ""."""
+    serving = sorted((v for v in others if v.layer_start < b and a < v.layer_end), key=lambda v: (v.layer_start, v.node_id))
+    if not serving:
+        return ""
+    listed = ", ".join(
+        f"{v.node_id} (layers {layers.spell(v.layer_start, v.layer_end)}, {_difference(v.numerics, numerics)})" for v in serving
+    )
+    return f"; layers {layers.spell(a, b)} are served only by nodes that cannot share a route with these: {listed}"
+
+
+def _difference(mine: Numerics, theirs: Numerics) -> str:
+    labels = ("model", "model revision", "backend", "cache ABI", "layer count")
+    return ", ".join(f"{label} {x}" for label, x, y in zip(labels, mine, theirs) if x != y)
 
 
 def cheapest_ring(

@@ -1,9 +1,18 @@
 """Measured speed: seconds per token of a node's range, the load on it, and stragglers.
 
 A node's speed is its measured decode throughput (rolling, from heartbeats), else the
-self-benchmark in its capability report, else unknown. Nodes hold ranges of different sizes, so
-they are compared per layer: seconds per layer per token. The reference of a group is the lower
-median of its measured nodes; a node is slow when it is ``slow_factor`` times the reference.
+self-benchmark in its capability report, else unknown.
+
+Stragglers. A token's time in a node is not proportional to its layer count: every call has a
+fixed part (the call itself, the embedding at the head, the LM head at the tail), and with small
+models it dominates (SmolLM2 on one thread: 15 layers decode at ~80 tok/s, all 30 at ~65). So a
+node is not judged per layer against the group. It is compared with what its peers would take
+for a range of its size: a peer's time per token as is when the peer holds at least as many
+layers (more layers never cost less), scaled up by the layer ratio when it holds fewer (which
+overestimates, since the fixed part is scaled too). The reference is the lower median of these
+over the group's measured nodes, itself included; a node is slow when its time per token exceeds
+``slow_factor`` times its reference. Equal ranges compare as they are, a node with few layers is
+never slow just for its overhead, and a straggler stands out against any peer.
 """
 
 from __future__ import annotations
@@ -28,9 +37,35 @@ def reference_seconds_per_layer(views: Sequence[NodeView]) -> float | None:
     return median_low(known) if known else None
 
 
-def is_slow(view: NodeView, reference: float | None, params: TrackerParams) -> bool:
-    spl = seconds_per_layer(view)
-    return spl is not None and reference is not None and spl > params.slow_factor * reference
+def measured_seconds_per_token(view: NodeView) -> float | None:
+    if not view.decode_tps or view.decode_tps <= 0:
+        return None
+    return 1.0 / view.decode_tps
+
+
+def reference_seconds_per_token(view: NodeView, peers: Sequence[NodeView]) -> float | None:
+    """What a peer of the group would take per token for a range of ``view``'s size (see above)."""
+    allowed = []
+    for peer in peers:
+        t = measured_seconds_per_token(peer)
+        if t is not None and peer.n_layers > 0:
+            allowed.append(t * max(1.0, view.n_layers / peer.n_layers))
+    return median_low(allowed) if allowed else None
+
+
+def slow_nodes(nodes: Sequence[NodeView], params: TrackerParams) -> set[str]:
+    """Node ids of the stragglers among ``nodes`` (one numerics group, usable nodes only)."""
+    return {v.node_id for v in nodes if is_slow(v, nodes, params)}
+
+
+def is_slow(view: NodeView, peers: Sequence[NodeView], params: TrackerParams) -> bool:
+    t = measured_seconds_per_token(view)
+    if t is None:
+        return False
+    if all(p.node_id != view.node_id for p in peers):
+        peers = [*peers, view]
+    reference = reference_seconds_per_token(view, peers)
+    return reference is not None and t > params.slow_factor * reference
 
 
 def seconds_per_token(view: NodeView, reference: float | None, params: TrackerParams) -> float:
