@@ -12,7 +12,6 @@ The client is only in the loop for the prompt: decode runs as a ring (tail -> ho
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from neuron_bus import subjects as S
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.flow import publish
 from neuron_bus.models import DEFAULT_PRESET
+from neuron_bus.repair import repair as repair_route
 from neuron_bus.routes import hop_header
 from neuron_bus.telemetry import GenerationProgress
 from neuron_bus.topology import connect
@@ -58,6 +58,10 @@ class Generation:
 
 CONTROL_TIMEOUT_S = 30.0
 STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route is considered dead
+PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
+MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
+AVOID_LOST_S = 8.0  # how long a new route must avoid the nodes that were lost (the tracker expires them)
+RETRYABLE = {"node_lost", "node_unreachable", "prefill_failed", "stalled", "backend_error", "route_failed", "unknown_session"}
 HEARTBEAT_LOSS_S = 3.0  # a route node silent this long (workers heartbeat every second) is lost
 LIVENESS_CHECK_S = 0.5
 
@@ -122,8 +126,15 @@ class NeuronClient:
         encoding: str = "raw",
         chunk_size: int = 256,
         route: M.RouteAssignment | None = None,
+        prefill_retries: int = PREFILL_RETRIES,
+        repair: bool = True,
     ) -> AsyncIterator[M.TokenDelta | M.GenerationTelemetry]:
-        """Yield telemetry and token deltas; raise RouteError on a failed route."""
+        """Yield telemetry and token deltas; raise RouteError on a failed route.
+
+        A route that fails before the first token is retried from scratch on a new route
+        (``prefill_retries`` times); a hop lost during decode is replaced when a compatible
+        replacement and snapshot exist (``repair``, see repair.py), otherwise the session fails.
+        """
         sampling = sampling or M.SamplingParams()
         session_id = uuid.uuid4().hex
         events: asyncio.Queue = asyncio.Queue()
@@ -144,39 +155,89 @@ class NeuronClient:
         sender: asyncio.Task | None = None
         watcher: asyncio.Task | None = None
         route_obj = route
+        generated: list[int] = []  # token ids received, in order
+        lost: set[str] = set()
+        retries = repairs = 0
+        need_start = True
         try:
             yield await self._publish_progress(progress)
-            if route_obj is None:
-                route_obj = await self.route(model_preset, wire_dtype, encoding)
-            progress.route_id = route_obj.route_id
-            progress.nodes = [h.node_id for h in route_obj.hops]
-            progress.finish("loading")
-            watcher = await self._watch_nodes(progress.nodes, events, subs)
-            yield await self._publish_progress(progress)
-            head = route_obj.hops[0].node_id
-            if prompt_tokens is None:
-                tok = await self.control(head, M.TokenizeRequest(text=prompt, messages=messages))
-                prompt_tokens = tok.tokens
-            if not prompt_tokens:
-                raise RouteError("empty_prompt", "the prompt has no tokens")
-            progress.prefill_total = len(prompt_tokens)
-            n_ctx = len(prompt_tokens) + sampling.max_tokens
-            for i, hop in enumerate(route_obj.hops):
-                await self.control(
-                    hop.node_id,
-                    M.SessionOpen(
-                        session_id=session_id, route=route_obj, hop_index=i, prompt_tokens=len(prompt_tokens),
-                        n_ctx=n_ctx, chunk_size=chunk_size, sampling=sampling,
-                    ),
-                )
-                opened.append(hop.node_id)
-            progress.prefill(0)
-            yield await self._publish_progress(progress)
-            sender = asyncio.create_task(self._send_prompt(route_obj, session_id, prompt_tokens, chunk_size))
-            async for event in self._events(events, sender, progress):
-                yield event
-                if isinstance(event, M.TokenDelta) and event.finished:
-                    break
+            while True:
+                try:
+                    if need_start:
+                        if route_obj is None:
+                            route_obj = await self._route_avoiding(lost, model_preset, wire_dtype, encoding)
+                        progress.route_id = route_obj.route_id
+                        progress.nodes = [h.node_id for h in route_obj.hops]
+                        progress.finish("loading")
+                        watcher = await self._watch_nodes(progress.nodes, events, subs)
+                        yield await self._publish_progress(progress)
+                        head = route_obj.hops[0].node_id
+                        if prompt_tokens is None:
+                            tok = await self.control(head, M.TokenizeRequest(text=prompt, messages=messages))
+                            prompt_tokens = tok.tokens
+                        if not prompt_tokens:
+                            raise RouteError("empty_prompt", "the prompt has no tokens")
+                        progress.prefill_total = len(prompt_tokens)
+                        n_ctx = len(prompt_tokens) + sampling.max_tokens
+                        for i, hop in enumerate(route_obj.hops):
+                            await self.control(
+                                hop.node_id,
+                                M.SessionOpen(
+                                    session_id=session_id, route=route_obj, hop_index=i, prompt_tokens=len(prompt_tokens),
+                                    n_ctx=n_ctx, chunk_size=chunk_size, sampling=sampling,
+                                ),
+                            )
+                            opened.append(hop.node_id)
+                        progress.prefill(0)
+                        yield await self._publish_progress(progress)
+                        sender = asyncio.create_task(self._send_prompt(route_obj, session_id, prompt_tokens, chunk_size))
+                        need_start = False
+                    async for event in self._events(events, sender, progress):
+                        if isinstance(event, M.TokenDelta):
+                            if event.index < len(generated):
+                                continue  # a repaired route re-sent a token already delivered
+                            generated.append(event.token_id)
+                        yield event
+                        if isinstance(event, M.TokenDelta) and event.finished:
+                            return
+                except RouteError as exc:
+                    if not generated:  # before the first token: retry from scratch on a new route
+                        if exc.reason not in RETRYABLE or retries >= prefill_retries:
+                            raise
+                        retries += 1
+                        if exc.node_id:
+                            lost.add(exc.node_id)
+                        for task in (sender, watcher):
+                            if task:
+                                task.cancel()
+                        await self._close_sessions(session_id, route_obj, opened)
+                        opened.clear()
+                        while not events.empty():
+                            events.get_nowait()
+                        route_obj, need_start = None, True
+                        continue
+                    if not (repair and exc.reason == "node_lost" and exc.node_id and repairs < MAX_REPAIRS):
+                        raise
+                    repairs += 1
+                    lost.add(exc.node_id)
+                    spec = M.SessionOpen(
+                        session_id=session_id, route=route_obj, hop_index=0, prompt_tokens=len(prompt_tokens),
+                        n_ctx=len(prompt_tokens) + sampling.max_tokens, chunk_size=chunk_size, sampling=sampling,
+                    )
+                    try:
+                        route_obj, start, node = await repair_route(self, route_obj, exc.node_id, spec, list(generated), repairs, lost)
+                    except RouteError as failed:
+                        raise RouteError(
+                            exc.reason, f"{exc}; route repair failed ({failed.reason}): {failed}", exc.phase, exc.node_id
+                        ) from None
+                    opened[:] = [n for n in opened if n != exc.node_id] + [node.node_id]
+                    watcher.cancel()
+                    progress.route_id = route_obj.route_id
+                    progress.nodes = [h.node_id for h in route_obj.hops]
+                    watcher = await self._watch_nodes(progress.nodes, events, subs)
+                    sender = asyncio.create_task(
+                        self._send_prompt(route_obj, session_id, prompt_tokens + generated, chunk_size, start=start)
+                    )
         except RouteError as exc:
             if exc.phase == "queued":  # raised outside the event loop (route, tokenize, open): the client's phase
                 exc.phase = progress.phase
@@ -190,11 +251,23 @@ class NeuronClient:
                     task.cancel()
             for sub in subs:
                 await sub.unsubscribe()
-            for node in opened:
-                try:
-                    await self.control(node, M.SessionClose(session_id=session_id, route_id=route_obj.route_id), timeout=5)
-                except RouteError:
-                    pass  # the node is gone; its cache went with it
+            await self._close_sessions(session_id, route_obj, opened)
+
+    async def _close_sessions(self, session_id: str, route: M.RouteAssignment | None, nodes: list[str]) -> None:
+        for node in nodes:
+            try:
+                await self.control(node, M.SessionClose(session_id=session_id, route_id=route.route_id), timeout=5)
+            except RouteError:
+                pass  # the node is gone; its cache went with it
+
+    async def _route_avoiding(self, lost: set[str], model_preset: str, wire_dtype: str, encoding: str) -> M.RouteAssignment:
+        """A route without the nodes lost so far, while the tracker may still list them (then any)."""
+        deadline = time.monotonic() + AVOID_LOST_S
+        while True:
+            route = await self.route(model_preset, wire_dtype, encoding)
+            if not lost & {h.node_id for h in route.hops} or time.monotonic() > deadline:
+                return route
+            await asyncio.sleep(0.5)
 
     async def _watch_nodes(self, nodes: list[str], events: asyncio.Queue, subs: list) -> asyncio.Task:
         """Follow the route nodes' heartbeats; queue ("lost", node) when one falls silent."""
@@ -253,12 +326,15 @@ class NeuronClient:
             last_phase = "decode"
             yield delta
 
-    async def _send_prompt(self, route: M.RouteAssignment, session_id: str, tokens: list[int], chunk_size: int) -> None:
+    async def _send_prompt(
+        self, route: M.RouteAssignment, session_id: str, tokens: list[int], chunk_size: int, start: int = 0
+    ) -> None:
+        """Send positions [start, len(tokens)) to hop 0 in chunks (the prompt, or a repair's replay)."""
         ids = np.asarray(tokens, dtype=np.int32)
         subject = S.hop_input(route.route_id, 0, "prefill")
-        for seq in range(math.ceil(len(ids) / chunk_size)):
-            chunk = ids[seq * chunk_size : (seq + 1) * chunk_size]
-            header = hop_header(route, 0, session_id, seq * chunk_size, "prefill", seq, "i32")
+        for seq, lo in enumerate(range(start, len(ids), chunk_size)):
+            chunk = ids[lo : lo + chunk_size]
+            header = hop_header(route, 0, session_id, lo, "prefill", seq, "i32")
             headers, body = codec.encode(header, chunk)
             await publish(self.js, subject, body, headers)
 

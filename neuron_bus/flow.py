@@ -12,7 +12,8 @@ import asyncio
 import time
 
 from nats.js import JetStreamContext
-from nats.js.errors import APIError
+from nats.errors import ConnectionReconnectingError, NoRespondersError, TimeoutError as NatsTimeout
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from neuron_bus.errors import NeuronBusError
 
@@ -36,6 +37,8 @@ async def publish(
     """Publish and wait for the stream's acknowledgement; retry while the subject is full.
 
     Returns how many times the publish had to wait. ``on_wait(n)`` is called on each wait.
+    Transient failures of a clustered bus (a server died, a stream leader is being elected, the
+    connection moves to a surviving server) are retried the same way within ``max_wait``.
     """
     waits = 0
     delay = 0.002
@@ -44,6 +47,13 @@ async def publish(
         try:
             await js.publish(subject, body, headers=headers)
             return waits
+        except (NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError,
+                ConnectionReconnectingError, asyncio.TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                raise NeuronBusError("bus_unavailable", f"{subject}: no stream answered for {max_wait:.0f}s") from exc
+            waits += 1
+            await asyncio.sleep(0.1)
+            continue
         except APIError as exc:
             if not _is_full(exc):
                 raise

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -63,6 +64,7 @@ class LocalSwarm:
         gateway_port: int | None = None,
         gateway_extra: list[str] | None = None,
         from_store: bool = False,
+        cluster: int = 1,
     ):
         self.model_path = Path(model_path)
         self.preset = preset_for(self.model_path)
@@ -71,11 +73,20 @@ class LocalSwarm:
         self.threads = threads
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.server = NatsServer(
-            ServerConfig(
+        if cluster == 1:
+            self.servers = [NatsServer(ServerConfig(
                 store_dir=self.workdir / "nats", port=nats_port or free_port(), http_port=http_port or free_port()
-            )
-        )
+            ))]
+        else:  # a NATS cluster: streams and buckets get ``cluster`` replicas
+            routes_ = [free_port() for _ in range(cluster)]
+            self.servers = [
+                NatsServer(ServerConfig(
+                    store_dir=self.workdir / f"nats-{i}", port=free_port(), http_port=free_port(), server_name=f"nats-{i}",
+                    cluster_name="neuron", cluster_port=p, routes=[f"nats-route://127.0.0.1:{r}" for r in routes_],
+                ))
+                for i, p in enumerate(routes_)
+            ]
+        self.server = self.servers[0]
         self.prefill_window = prefill_window
         self.from_store = from_store  # publish the model to the shard swarm; workers fetch their range
         self.artifact_id: str | None = None
@@ -90,7 +101,7 @@ class LocalSwarm:
 
     @property
     def url(self) -> str:
-        return self.server.url
+        return ",".join(srv.url for srv in self.servers)
 
     @property
     def gateway_url(self) -> str | None:
@@ -116,7 +127,7 @@ class LocalSwarm:
     def start(self, timeout: float = 180.0, on_step=None) -> "LocalSwarm":
         step = on_step or (lambda text: None)
         step(f"nats-server on {self.url}")
-        self.server.start()
+        self._start_servers(timeout)
         kw = {"prefill_window": self.prefill_window} if self.prefill_window else {}
         asyncio.run(self._provision(**kw))
         if self.from_store:
@@ -152,10 +163,36 @@ class LocalSwarm:
             time.sleep(0.3)
         raise NeuronBusError("swarm_not_ready", f"gateway not ready after {timeout:.0f}s: {last}")
 
+    def _start_servers(self, timeout: float) -> None:
+        """Start every server at once: clustered JetStream becomes healthy only with its peers."""
+        errors: list[Exception] = []
+
+        def start(srv: NatsServer) -> None:
+            try:
+                srv.start(timeout=min(timeout, 60.0))
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start, args=(srv,)) for srv in self.servers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
     async def _provision(self, **kw) -> None:
         nc = await connect(self.url, max_reconnect_attempts=3)
         try:
-            await ensure_topology(nc.jetstream(), update=True, **kw)
+            deadline = time.monotonic() + 60.0
+            while True:  # a fresh cluster may still be electing its meta leader
+                try:
+                    await ensure_topology(nc.jetstream(), replicas=len(self.servers), update=True, **kw)
+                    return
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
         finally:
             await nc.close()
 
@@ -215,7 +252,8 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
-        self.server.stop()
+        for srv in self.servers:
+            srv.stop()
 
     def __enter__(self) -> "LocalSwarm":
         return self.start()

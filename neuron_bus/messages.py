@@ -183,6 +183,56 @@ class SessionClosed(Struct, tag_field="type", tag="closed"):
     freed_bytes: int
 
 
+class SessionResume(Struct, tag_field="op", tag="resume"):
+    """Route repair: move a session onto ``open.route`` (a new route id) at ``position``.
+
+    A surviving hop (``restore`` false) truncates its cache back to ``position``. The replacement
+    hop (``restore`` true) imports the newest compatible snapshot of its layer range at or before
+    ``position`` and answers with the position it restored. Positions ``[position, replay_end)``
+    then arrive again as prefill-like chunks from the client; the tail emits no token for them
+    except the last, which is token number ``len(generated)``. ``generated`` are the tokens the
+    client already received (the tail rebuilds its text and counts from them).
+    """
+
+    open: SessionOpen
+    position: int
+    replay_end: int
+    generated: list[int] = []
+    restore: bool = False
+
+
+class SessionResumed(Struct, tag_field="type", tag="resumed"):
+    session_id: str
+    route_id: str
+    node_id: str
+    hop_index: int
+    position: int  # the session's position on this hop now (restored snapshot or truncation)
+    snapshot: str | None = None  # object name of the restored snapshot
+
+
+class SnapshotMeta(Struct):
+    """What a KV snapshot holds: stored as the description of its object in ``neuron-snapshots``.
+
+    A snapshot may only be restored by a node of the same model revision, backend, cache ABI and
+    layer range; ``position`` positions [0, position) are in the blob.
+    """
+
+    generation_id: str  # unique per written snapshot
+    session_id: str
+    route_id: str
+    node_id: str
+    model_preset: str
+    model_revision: str
+    backend_id: str
+    cache_abi: str
+    layer_start: int
+    layer_end: int
+    position: int
+    n_ctx: int
+    nbytes: int
+    created_at: float = 0.0
+
+
 class SessionsQuery(Struct, tag_field="op", tag="sessions"):
     """Ask a node for its active sessions (``neuron-bus sessions NODE``)."""
 
@@ -202,6 +252,8 @@ class SessionsReport(Struct, tag_field="type", tag="sessions"):
     cache_bytes_total: int
     backend_forward_calls: int
     rejected: dict[str, int] = {}
+    snapshots_written: int = 0
+    snapshot_failures: dict[str, int] = {}  # reason -> count; snapshot writes never block decode
 
 
 class Ping(Struct, tag_field="op", tag="ping"):
@@ -233,8 +285,8 @@ class ControlError(Struct, tag_field="type", tag="error"):
     message: str
 
 
-ControlRequest = SessionOpen | SessionClose | SessionsQuery | Ping | TokenizeRequest
-ControlReply = SessionOpened | SessionClosed | SessionsReport | Pong | TokenizeReply | ControlError
+ControlRequest = SessionOpen | SessionClose | SessionsQuery | Ping | TokenizeRequest | SessionResume
+ControlReply = SessionOpened | SessionClosed | SessionsReport | Pong | TokenizeReply | ControlError | SessionResumed
 RouteReply = RouteAssignment | RouteRejection
 
 
@@ -520,6 +572,9 @@ ALL_MESSAGES: tuple[type[Struct], ...] = (
     SessionClosed,
     SessionsQuery,
     SessionsReport,
+    SessionResume,
+    SessionResumed,
+    SnapshotMeta,
     Ping,
     Pong,
     TokenizeRequest,

@@ -215,6 +215,9 @@ class LlamaCppRangeBackend(Backend):
             result[k] = out
         return result
 
+    def _truncate(self, session_id: str, position: int) -> None:
+        self.model.forget_from(self._seq[session_id], position)
+
     def _export(self, session_id: str) -> bytes:
         return self.model.seq_state(self._seq[session_id])
 

@@ -12,7 +12,7 @@ Inputs and outputs are numpy arrays:
 
 `Backend` does the bookkeeping every backend shares (session table, position tracking, input
 validation with typed errors) so that a bad call never touches model state; subclasses implement
-the `_open/_forward/_close/_cache_bytes/_export/_import` hooks.
+the `_open/_forward/_close/_cache_bytes/_truncate/_export/_import` hooks.
 """
 
 from __future__ import annotations
@@ -142,7 +142,15 @@ class Backend(abc.ABC):
             self._advance(sid, 1)
         return outs
 
-    # -- state export (snapshots) ------------------------------------------------------------
+    # -- state export (snapshots) and route repair ------------------------------------------
+
+    def truncate(self, session_id: str, position: int) -> None:
+        """Forget positions >= ``position`` (route repair: back to a snapshot, then replay)."""
+        st = self._state(session_id)
+        if not 0 <= position <= st.position:
+            raise BadInput(f"session {session_id}: cannot truncate to {position}, it holds {st.position} positions")
+        self._truncate(session_id, position)
+        st.position = position
 
     def export_state(self, session_id: str) -> bytes:
         self._state(session_id)
@@ -221,6 +229,9 @@ class Backend(abc.ABC):
         outs = [self._forward(sid, pos, x) for sid, pos, x in steps]
         self.forward_calls += len(steps)
         return outs
+
+    def _truncate(self, session_id: str, position: int) -> None:
+        raise NotImplementedError(f"{self.backend_id} cannot truncate a session's cache")
 
     def _export(self, session_id: str) -> bytes:
         raise NotImplementedError(f"{self.backend_id} cannot export cache state")

@@ -146,6 +146,11 @@ class TorchBackend(Backend):
             "position": position,
         }
 
+    def _truncate(self, session_id: str, position: int) -> None:
+        cache = self._caches[session_id]
+        for t in (cache.k, cache.v):
+            t[:, position:] = 0  # positions are overwritten anyway; zero them so nothing stale survives
+
     def _export(self, session_id: str) -> bytes:
         position = self._sessions[session_id].position
         cache = self._caches[session_id]

@@ -112,6 +112,8 @@ def worker(
     n_ctx: int = typer.Option(4608, help="llama-cpp: positions per session (prompt + generated)."),
     max_sessions: int = typer.Option(8, help="llama-cpp: concurrent sessions (KV slots) per worker."),
     flash_attn: bool = typer.Option(True, help="llama-cpp: flash attention (part of the cache ABI: every hop of a route must agree)."),
+    snapshot_every: int = typer.Option(0, help="Write a KV snapshot of every decoding session each N positions (0: off)."),
+    snapshot_nats: str = typer.Option(None, help="Cache server holding the neuron-snapshots bucket (default: the bus)."),
 ) -> None:
     """Load a layer range of a GGUF model and serve every route assigned to it."""
     from neuron_bus.worker.service import WorkerOptions
@@ -140,7 +142,12 @@ def worker(
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
     report = build_report(node_id, be, path, preset, revision, artifact_id, trust_tier, slow_ms)
-    options = WorkerOptions(idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms)
+    if snapshot_every < 0:
+        fail("--snapshot-every must be 0 (off) or positive")
+    options = WorkerOptions(
+        idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms,
+        snapshot_every=snapshot_every, snapshot_url=snapshot_nats,
+    )
     try:
         asyncio.run(serve(nats, be, tok, report, options, metrics_port))
     finally:

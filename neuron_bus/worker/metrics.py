@@ -23,6 +23,11 @@ class WorkerMetrics:
             "neuron_rejected_messages_total", "Messages rejected before any model work", ["reason"], **labels,
         )
         self.backend_calls = Counter("neuron_backend_calls_total", "Backend forward calls", ["phase"], **labels)
+        self.snapshots_written = Counter("neuron_snapshots_written_total", "KV snapshots written", **labels)
+        self.snapshot_failures = Counter(
+            "neuron_snapshot_failures_total", "KV snapshot writes that failed or were skipped (decode went on)",
+            ["reason"], **labels,
+        )
         self.tokens = Counter("neuron_tokens_total", "Positions computed by this node", ["phase"], **labels)
 
     def seam(self, phase: str, direction: str, nbytes: int) -> None:

@@ -33,12 +33,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from neuron_bus import codec
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
-from neuron_bus.errors import MalformedMessage, SessionMismatch
+from neuron_bus.errors import MalformedMessage, NeuronBusError, SessionMismatch
 from neuron_bus.flow import publish
 from neuron_bus.sampling import sample
 from neuron_bus.telemetry import GenerationProgress
 from neuron_bus.worker.metrics import WorkerMetrics
 from neuron_bus.worker.session_table import HopSession, SessionTable
+from neuron_bus.worker.snapshots import SnapshotStore
 
 log = logging.getLogger("neuron_bus.worker")
 
@@ -54,6 +55,8 @@ class WorkerOptions:
     decode_ack_pending: int = 256
     max_body: int = codec.DEFAULT_MAX_BODY
     slow_ms: float = 0.0  # add this much delay per backend call (fault injection for tests)
+    snapshot_every: int = 0  # write a KV snapshot whenever a decoding session crosses a multiple of this
+    snapshot_url: str | None = None  # the cache server holding neuron-snapshots (None: the bus)
 
 
 class WorkerService:
@@ -67,6 +70,9 @@ class WorkerService:
         self.opts = options or WorkerOptions()
         self.metrics = WorkerMetrics(self.node_id)
         self.sessions = SessionTable()
+        self.snapshots = SnapshotStore(
+            nc, report, self.metrics, every=self.opts.snapshot_every, url=self.opts.snapshot_url
+        )
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"backend-{self.node_id}")
         self._decode_q: deque[Msg] = deque()
         self._prefill_q: deque[Msg] = deque()
@@ -85,6 +91,7 @@ class WorkerService:
         await kv.put(self.node_id, M.encode(self.report))
         await self.nc.publish(S.node_caps(self.node_id), M.encode(self.report))
         self._subs.append(await self.nc.subscribe(S.node_control(self.node_id), cb=self._on_control))
+        await self.snapshots.start()
         self._tasks = [
             asyncio.create_task(self._process_loop(), name="process"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
@@ -102,6 +109,7 @@ class WorkerService:
             await self._unbind(route_id)
         for s in list(self.sessions):
             await self._close(s.session_id)
+        await self.snapshots.stop()
         self._pool.shutdown(wait=True)
 
     async def _call(self, fn, *args):
@@ -115,6 +123,8 @@ class WorkerService:
             req = M.decode(msg.data, M.ControlRequest)
             reply = await self._control(req)
         except Exception as exc:  # every failure is an explicit reply, never silence
+            if isinstance(exc, MalformedMessage):
+                self._count_rejected("bad_control")
             code = getattr(exc, "reason", type(exc).__name__)
             reply = M.ControlError(code=str(code), message=str(exc))
         if msg.reply:
@@ -129,6 +139,8 @@ class WorkerService:
             return await self._tokenize(req)
         if isinstance(req, M.SessionOpen):
             return await self._open(req)
+        if isinstance(req, M.SessionResume):
+            return await self._resume(req)
         if isinstance(req, M.SessionClose):
             freed = await self._close(req.session_id)
             return M.SessionClosed(session_id=req.session_id, node_id=self.node_id, freed_bytes=freed)
@@ -145,7 +157,8 @@ class WorkerService:
             raise ValueError("tokenize needs text or messages")
         return M.TokenizeReply(tokens=tokens, text=text)
 
-    async def _open(self, req: M.SessionOpen) -> M.SessionOpened:
+    def _check_hop(self, req: M.SessionOpen) -> M.RouteHop:
+        """Is this node the hop ``req`` names, with the same layers and cache ABI?"""
         S.check_token(req.session_id, "session id")
         route = req.route
         if not 0 <= req.hop_index < len(route.hops):
@@ -164,7 +177,12 @@ class WorkerService:
             raise ValueError(f"prompt of {req.prompt_tokens} tokens + {req.sampling.max_tokens} new ones exceeds n_ctx {req.n_ctx}")
         if req.chunk_size <= 0:
             raise ValueError("chunk size must be positive")
-        cache_bytes = await self._call(b.open_session, req.session_id, req.n_ctx)
+        return hop
+
+    async def _open(self, req: M.SessionOpen) -> M.SessionOpened:
+        route = req.route
+        hop = self._check_hop(req)
+        cache_bytes = await self._call(self.backend.open_session, req.session_id, req.n_ctx)
         s = HopSession(open=req, node_id=self.node_id)
         if s.is_tail:
             s.decoder = self.tokenizer.stream_decoder()
@@ -179,10 +197,51 @@ class WorkerService:
             hop_index=req.hop_index, layer_start=hop.layer_start, layer_end=hop.layer_end, cache_bytes=cache_bytes,
         )
 
+    async def _resume(self, req: M.SessionResume) -> M.SessionResumed:
+        """Route repair: move a session onto a new route at a snapshot position (see SessionResume)."""
+        o = req.open
+        self._check_hop(o)
+        old = self.sessions.get(o.session_id)
+        if not 0 <= req.position < req.replay_end <= o.n_ctx:
+            raise ValueError(f"resume at {req.position} with replay up to {req.replay_end} does not fit n_ctx {o.n_ctx}")
+        snapshot = None
+        if req.restore:
+            if old is not None:
+                raise ValueError(f"session {o.session_id} is already open here; only a replacement restores")
+            meta, blob = await self.snapshots.find(o.session_id, req.position)
+            await self._call(self.backend.import_state, o.session_id, o.n_ctx, meta.position, blob)
+            position, snapshot = meta.position, f"{meta.session_id}/{meta.layer_start}-{meta.layer_end}/{meta.position}"
+        else:
+            if old is None:  # e.g. this node restarted: its hot KV is gone
+                raise NeuronBusError("unknown_session", f"{self.node_id} holds no session {o.session_id}")
+            await self._call(self.backend.truncate, o.session_id, req.position)
+            position = req.position
+        s = HopSession(open=o, node_id=self.node_id, position=position, replay_end=req.replay_end)
+        if s.is_tail:
+            s.generated = list(req.generated)
+            s.decoder = self.tokenizer.stream_decoder()
+            s.text = "".join(s.decoder.push(t) for t in s.generated)
+            s.ring_seq_base = -(-(req.replay_end - position) // o.chunk_size) - len(s.generated)
+            s.progress = GenerationProgress(
+                o.session_id, o.route.route_id, o.route.model_preset, [h.node_id for h in o.route.hops], o.prompt_tokens
+            )
+            s.progress.prefill(o.prompt_tokens)
+            s.progress.generated = len(s.generated)
+        self.sessions.add(s)  # replaces the old route's entry: its stray messages are now wrong_route
+        await self._bind(o.route, o.hop_index)
+        if old is not None and old.route.route_id not in self.sessions.routes():
+            await self._unbind(old.route.route_id)
+        self._update_gauges()
+        return M.SessionResumed(
+            session_id=o.session_id, route_id=o.route.route_id, node_id=self.node_id, hop_index=o.hop_index,
+            position=position, snapshot=snapshot,
+        )
+
     async def _close(self, session_id: str) -> int:
         s = self.sessions.pop(session_id)
         if s is None:
             return 0
+        self.snapshots.forget(session_id)
         freed = await self._call(self.backend.cache_bytes, session_id)
         await self._call(self.backend.close_session, session_id)
         if s.route.route_id not in self.sessions.routes():
@@ -203,6 +262,7 @@ class WorkerService:
         return M.SessionsReport(
             node_id=self.node_id, sessions=infos, cache_bytes_total=sum(i.cache_bytes for i in infos),
             backend_forward_calls=self.backend.forward_calls, rejected=dict(self._rejected),
+            snapshots_written=self.snapshots.written, snapshot_failures=dict(self.snapshots.failures),
         )
 
     # ------------------------------------------------------------------ consumers
@@ -219,28 +279,39 @@ class WorkerService:
                 queue.append(msg)
                 self._work.set()
 
-            subs.append(
-                await self.js.subscribe(
-                    S.hop_input(route.route_id, hop_index, phase),
-                    stream=stream,
-                    cb=enqueue,
-                    manual_ack=True,
-                    pending_msgs_limit=-1,
-                    config=ConsumerConfig(
-                        ack_policy=AckPolicy.EXPLICIT,
-                        deliver_policy=DeliverPolicy.ALL,
-                        max_ack_pending=pending,
-                        ack_wait=120.0,
-                        inactive_threshold=30.0,
-                    ),
-                )
+            subject = S.hop_input(route.route_id, hop_index, phase)
+            await self._drop_consumers(stream, subject)  # a work queue allows one consumer per subject
+            sub = await self.js.subscribe(
+                subject,
+                stream=stream,
+                cb=enqueue,
+                manual_ack=True,
+                pending_msgs_limit=-1,
+                config=ConsumerConfig(
+                    ack_policy=AckPolicy.EXPLICIT,
+                    deliver_policy=DeliverPolicy.ALL,
+                    max_ack_pending=pending,
+                    ack_wait=120.0,
+                    inactive_threshold=30.0,
+                ),
             )
+            subs.append((sub, stream, subject))
         self._route_subs[route.route_id] = subs
 
+    async def _drop_consumers(self, stream: str, subject: str) -> None:
+        """Delete consumers left on ``subject`` (by an earlier binding or a previous run of this node)."""
+        for info in await self.js.consumers_info(stream):
+            if info.config.filter_subject == subject:
+                try:
+                    await self.js.delete_consumer(stream, info.name)
+                except Exception:  # already gone
+                    pass
+
     async def _unbind(self, route_id: str) -> None:
-        for sub in self._route_subs.pop(route_id, []):
+        for sub, stream, subject in self._route_subs.pop(route_id, []):
             try:
                 await sub.unsubscribe()
+                await self._drop_consumers(stream, subject)
             except Exception:  # connection already closing
                 pass
 
@@ -301,9 +372,12 @@ class WorkerService:
             self._reject(msg, exc.reason, str(exc))
             return None
 
-    def _reject(self, msg: Msg, reason: str, text: str) -> None:
+    def _count_rejected(self, reason: str) -> None:
         self.metrics.rejected.labels(reason).inc()
         self._rejected[reason] = self._rejected.get(reason, 0) + 1
+
+    def _reject(self, msg: Msg, reason: str, text: str) -> None:
+        self._count_rejected(reason)
         sid = (msg.headers or {}).get("session_id", "")
         asyncio.create_task(msg.term())
         try:
@@ -318,7 +392,16 @@ class WorkerService:
         asyncio.create_task(self.nc.publish(subject, M.encode(err)))
 
     async def _handle(self, msgs: list[Msg], phase: str) -> None:
-        work = [(m, a) for m in msgs if (a := self._admit(m, phase)) is not None]
+        work, seen = [], set()
+        for m in msgs:
+            a = self._admit(m, phase)
+            if a is None:
+                continue
+            if a[0].session_id in seen:  # a copy of a step already in this batch
+                self._reject(m, "replayed", f"a second step for session {a[0].session_id} in one batch")
+                continue
+            seen.add(a[0].session_id)
+            work.append((m, a))
         if work:
             await self._run(work, phase)
 
@@ -338,11 +421,29 @@ class WorkerService:
             await m.term()
             return
         for (m, (s, header, x)), out in zip(work, outs):
+            if self.sessions.get(s.session_id) is not s:  # closed or moved to a repaired route meanwhile
+                await m.ack()
+                continue
+            before = s.position
             s.position += x.shape[0]
             s.seq += 1
             s.last_used = time.monotonic()
             await self._forward(s, header, x.shape[0], out)
+            if not s.finished and self.snapshots.due(before, s.position, s.open.prompt_tokens):
+                await self._snapshot(s)
             await m.ack()
+
+    async def _snapshot(self, s: HopSession) -> None:
+        """Export the session's cache now (it is at a snapshot position) and upload it in the background."""
+        if self.snapshots.busy(s.session_id):
+            return
+        try:
+            blob = await self._call(self.backend.export_state, s.session_id)
+        except Exception as exc:
+            log.warning("worker %s: export of %s failed: %s", self.node_id, s.session_id, exc)
+            self.snapshots.failed("export")
+            return
+        self.snapshots.write(s, blob)
 
     async def _compute(self, items, phase: str) -> list[np.ndarray]:
         b = self.backend
@@ -375,9 +476,10 @@ class WorkerService:
             self.metrics.seam(header.phase, "out", len(body))
             return
         end = header.position + n
-        if end < s.open.prompt_tokens:  # a prefill chunk that is not the last: progress only
-            s.progress.prefill(end)
-            await self._telemetry(s)
+        if end < s.prefill_end:  # a prefill (or repair replay) chunk that is not the last: progress only
+            if end <= s.open.prompt_tokens:
+                s.progress.prefill(end)
+                await self._telemetry(s)
             return
         await self._emit_token(s, out, end)
 
@@ -409,9 +511,9 @@ class WorkerService:
             logprob=pick.logprob if params.logprobs else None, top_logprobs=top,
             finished=finish is not None, finish_reason=finish,
         )
-        await self.js.publish(S.session_tokens(s.session_id), M.encode(delta))
+        await publish(self.js, S.session_tokens(s.session_id), M.encode(delta))
         if finish is None:
-            head = s.header(0, position, "decode", s.n_prefill_chunks + index, "i32")
+            head = s.header(0, position, "decode", s.ring_seq(index), "i32")
             headers, body = codec.encode(head, np.array([pick.token_id], dtype=np.int32))
             await publish(self.js, S.hop_input(s.route.route_id, 0, "decode"), body, headers)
             self.metrics.seam("decode", "out", len(body))
@@ -423,7 +525,7 @@ class WorkerService:
             await self._telemetry(s)
 
     async def _telemetry(self, s: HopSession) -> None:
-        await self.js.publish(s.progress.subject, M.encode(s.progress.snapshot()))
+        await publish(self.js, s.progress.subject, M.encode(s.progress.snapshot()))
 
     async def _fail(self, s: HopSession, code: str, message: str) -> None:
         """A fatal session error: tell the client, free this hop's cache."""

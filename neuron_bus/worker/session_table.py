@@ -3,7 +3,7 @@
 `SessionTable.check` compares an activation's session state key with the table *before* any
 model work; a mismatch raises :class:`~neuron_bus.errors.SessionMismatch` whose reason is the
 metrics label (unknown_session, wrong_route, wrong_key, wrong_layers, wrong_phase, replayed,
-position_gap, out_of_order).
+position_gap, out_of_order, overrun).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class HopSession:
     progress: GenerationProgress | None = None  # tail only
     finished: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    replay_end: int = 0  # after a route repair: positions below it arrive again as prefill-like replay
+    ring_seq_base: int | None = None  # tail: seq of the ring step feeding token i is base + i
 
     @property
     def session_id(self) -> str:
@@ -61,8 +63,17 @@ class HopSession:
         return math.ceil(self.open.prompt_tokens / self.open.chunk_size)
 
     @property
+    def prefill_end(self) -> int:
+        """Positions below this arrive as prefill chunks: the prompt, and after a repair the replay."""
+        return max(self.open.prompt_tokens, self.replay_end)
+
+    @property
     def phase(self) -> str:
-        return "prefill" if self.position < self.open.prompt_tokens else "decode"
+        return "prefill" if self.position < self.prefill_end else "decode"
+
+    def ring_seq(self, index: int) -> int:
+        """Hop 0's input seq of the decode step that feeds generated token ``index``."""
+        return (self.n_prefill_chunks if self.ring_seq_base is None else self.ring_seq_base) + index
 
     def header(self, hop_index: int, position: int, phase: str, seq: int, dtype: str) -> M.ActivationHeader:
         """The state key for a message this session sends to ``hop_index``."""
@@ -131,4 +142,6 @@ class SessionTable:
             raise SessionMismatch("wrong_phase", f"session {h.session_id}: a decode step carries one position, got {n}")
         if h.phase == "prefill" and not 0 < n <= s.open.chunk_size:
             raise SessionMismatch("wrong_phase", f"session {h.session_id}: prefill chunk of {n} positions (chunk size {s.open.chunk_size})")
+        if h.phase == "prefill" and h.position + n > s.prefill_end:
+            raise SessionMismatch("overrun", f"session {h.session_id}: prefill chunk runs past position {s.prefill_end}")
         return s

@@ -1,0 +1,131 @@
+"""Route repair: replace a dead hop of a decoding session, restore its snapshot, replay the rest.
+
+Orchestrated by the client (it knows the prompt and every token already emitted):
+
+1. The tracker's coverage map names a live replacement with the dead hop's exact layer range,
+   model revision, backend and cache ABI (anything else is never used).
+2. Every surviving hop reports its position for the session; a hop that lost it (restarted)
+   ends the repair.
+3. The repaired route is the old one under a new route id with the replacement in the dead hop's
+   place (stray messages of the old route are rejected as wrong_route; its subjects are purged).
+4. The replacement imports the newest compatible snapshot at or before the lowest surviving
+   position (``SessionResume(restore=True)``), every survivor truncates to that snapshot's
+   position, and the caller replays positions [snapshot, prompt + generated) from hop 0 as
+   prefill-like chunks; the tail emits the next token and the ring goes on.
+
+Any step that cannot be done raises RouteError with the reason, the phase and the node.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from neuron_bus import messages as M
+from neuron_bus import subjects as S
+from neuron_bus.tracker.planner import hop_subject
+
+REPAIR_TIMEOUT_S = 20.0
+
+
+def repaired_route(route: M.RouteAssignment, hop_index: int, node: M.TrackedNode, attempt: int) -> M.RouteAssignment:
+    """The route under a new id with ``node`` serving hop ``hop_index``."""
+    base = route.route_id.split("-r")[0][:100]
+    route_id = f"{base}-r{attempt}"
+    hops = []
+    for i, h in enumerate(route.hops):
+        if i == hop_index:
+            h = M.RouteHop(
+                node_id=node.node_id, layer_start=node.layer_start, layer_end=node.layer_end, subject="",
+                backend_id=node.backend_id, cache_abi=node.cache_abi,
+            )
+        hops.append(msgspec.structs.replace(h, subject=hop_subject(route_id, i)))
+    return msgspec.structs.replace(route, route_id=route_id, hops=hops, created_at=time.time())
+
+
+def pick_replacement(report: M.CoverageReport, route: M.RouteAssignment, hop: M.RouteHop, exclude: set[str]) -> M.TrackedNode | None:
+    """A live node of the same model revision, backend, cache ABI and exact layer range."""
+    groups = [
+        m for m in report.models
+        if (m.model_preset, m.model_revision, m.backend_id, m.cache_abi)
+        == (route.model_preset, route.model_revision, hop.backend_id, hop.cache_abi)
+    ]
+    live = {n for m in groups for n in m.nodes_live}
+    candidates = [
+        n for n in report.nodes
+        if n.node_id in live and n.alive and n.node_id not in exclude and n.status == "ready"
+        and (n.layer_start, n.layer_end) == (hop.layer_start, hop.layer_end)
+    ]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda n: (n.slow, n.sessions_active + n.recently_assigned, n.node_id))
+
+
+async def repair(
+    client, route: M.RouteAssignment, dead: str, session: M.SessionOpen, generated: list[int], attempt: int,
+    exclude: set[str],
+) -> tuple[M.RouteAssignment, int, M.TrackedNode]:
+    """Repair ``route`` around ``dead``; return the new route, the replay start and the replacement.
+
+    ``session`` is hop 0's open request (the session's prompt size, n_ctx, chunking, sampling).
+    """
+    from neuron_bus.client import RouteError
+
+    def fail(reason: str, message: str, node: str | None = dead) -> RouteError:
+        return RouteError(reason, message, phase="decode", node_id=node)
+
+    index = next((i for i, h in enumerate(route.hops) if h.node_id == dead), None)
+    if index is None:
+        raise fail("repair_failed", f"node {dead} is not on route {route.route_id}")
+    try:
+        msg = await client.nc.request(S.TRACKER_COVERAGE, M.encode(M.CoverageRequest(model_preset=route.model_preset)), timeout=10)
+        report = M.decode(msg.data, M.CoverageReport)
+    except Exception as exc:
+        raise fail("no_tracker", f"no coverage map for a replacement of {dead}: {exc}") from None
+    node = pick_replacement(report, route, route.hops[index], exclude | {dead})
+    if node is None:
+        h = route.hops[index]
+        raise fail(
+            "no_replacement",
+            f"no live node with layers [{h.layer_start}, {h.layer_end}), revision {route.model_revision}, "
+            f"backend {h.backend_id} and cache ABI {h.cache_abi} can replace {dead}",
+        )
+    replay_end = session.prompt_tokens + len(generated)
+    positions = []
+    for i, h in enumerate(route.hops):
+        if i == index:
+            continue
+        held = [s for s in (await client.sessions(h.node_id)).sessions if s.session_id == session.session_id]
+        if not held:
+            raise fail("hot_kv_lost", f"node {h.node_id} no longer holds session {session.session_id} (restarted?)", h.node_id)
+        positions.append(held[0].position)
+    limit = min([*positions, replay_end - 1])
+    new = repaired_route(route, index, node, attempt)
+
+    def resume(i: int, position: int, restore: bool) -> M.SessionResume:
+        opened = msgspec.structs.replace(session, route=new, hop_index=i)
+        return M.SessionResume(open=opened, position=position, replay_end=replay_end, generated=generated, restore=restore)
+
+    try:
+        restored = await client.control(node.node_id, resume(index, limit, True), timeout=REPAIR_TIMEOUT_S)
+    except RouteError as exc:
+        raise fail(exc.reason, f"replacement {node.node_id} cannot take over from {dead}: {exc}", node.node_id) from None
+    for i, h in enumerate(route.hops):
+        if i != index:
+            try:
+                await client.control(h.node_id, resume(i, restored.position, False), timeout=REPAIR_TIMEOUT_S)
+            except RouteError as exc:
+                raise fail(exc.reason, f"surviving hop {h.node_id} cannot resume: {exc}", h.node_id) from None
+    await purge(client.js, route)
+    return new, restored.position, node
+
+
+async def purge(js, route: M.RouteAssignment) -> None:
+    """Drop what is left on the old route's hop subjects (best effort)."""
+    for i in range(len(route.hops)):
+        for phase, stream in (("prefill", S.STREAM_PREFILL), ("decode", S.STREAM_DECODE)):
+            try:
+                await js.purge_stream(stream, subject=S.hop_input(route.route_id, i, phase))
+            except Exception:
+                pass
