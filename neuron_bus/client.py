@@ -160,7 +160,7 @@ class NeuronClient:
         retries = repairs = 0
         need_start = True
         try:
-            yield await self._publish_progress(progress)
+            await self._publish_progress(progress)  # comes back through the subscription
             while True:
                 try:
                     if need_start:
@@ -170,7 +170,7 @@ class NeuronClient:
                         progress.nodes = [h.node_id for h in route_obj.hops]
                         progress.finish("loading")
                         watcher = await self._watch_nodes(progress.nodes, events, subs)
-                        yield await self._publish_progress(progress)
+                        await self._publish_progress(progress)  # comes back through the subscription
                         head = route_obj.hops[0].node_id
                         if prompt_tokens is None:
                             tok = await self.control(head, M.TokenizeRequest(text=prompt, messages=messages))
@@ -189,7 +189,7 @@ class NeuronClient:
                             )
                             opened.append(hop.node_id)
                         progress.prefill(0)
-                        yield await self._publish_progress(progress)
+                        await self._publish_progress(progress)  # comes back through the subscription
                         sender = asyncio.create_task(self._send_prompt(route_obj, session_id, prompt_tokens, chunk_size))
                         need_start = False
                     async for event in self._events(events, sender, progress):
@@ -242,7 +242,7 @@ class NeuronClient:
             if exc.phase == "queued":  # raised outside the event loop (route, tokenize, open): the client's phase
                 exc.phase = progress.phase
             where = f" at node {exc.node_id}" if exc.node_id else ""
-            progress.finish("failed", f"{exc.reason} in phase {exc.phase}{where}: {exc}")
+            progress.fail(f"{exc.reason} in phase {exc.phase}{where}: {exc}", exc.phase, exc.node_id)
             await self._publish_progress(progress)
             raise
         finally:
@@ -317,9 +317,12 @@ class NeuronClient:
                 continue  # a rejected stray message; the session goes on
             if kind == "telemetry":
                 t = M.decode(data, M.GenerationTelemetry)
-                last_phase = t.phase
                 if t.phase == "failed":
-                    raise RouteError("route_failed", t.failure_reason or "route failed", phase=last_phase)
+                    raise RouteError(
+                        "route_failed", t.failure_reason or "route failed",
+                        phase=t.failure_phase or last_phase, node_id=t.failure_node,
+                    )
+                last_phase = t.phase
                 yield t
                 continue
             delta = M.decode(data, M.TokenDelta)

@@ -349,6 +349,8 @@ class GenerationTelemetry(Struct):
     average_tokens_per_second: float = 0.0
     active_route_nodes: list[str] = []
     failure_reason: str | None = None
+    failure_phase: Phase | None = None  # the last phase before the failure
+    failure_node: str | None = None
     ts: float = 0.0
 
 
@@ -605,4 +607,5 @@ def decode(data: bytes, kind):
     try:
         return msgspec.json.decode(data, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MalformedMessage("bad_json", f"malformed {kind.__name__}: {exc}") from exc
+        name = getattr(kind, "__name__", None) or " | ".join(k.__name__ for k in getattr(kind, "__args__", ())) or str(kind)
+        raise MalformedMessage("bad_json", f"malformed {name}: {exc}") from exc

@@ -29,6 +29,8 @@ class GenerationProgress:
         self.prefill_done = 0
         self.generated = 0
         self.failure_reason: str | None = None
+        self.failure_phase: str | None = None
+        self.failure_node: str | None = None
         self._first_token_at: float | None = None
         self._recent: deque[float] = deque()
         self._last_sent = 0.0
@@ -52,6 +54,12 @@ class GenerationProgress:
         self.phase = phase
         if reason:
             self.failure_reason = reason
+
+    def fail(self, reason: str, phase: str | None = None, node_id: str | None = None) -> None:
+        """The session failed: remember the last real phase and the node it failed at."""
+        self.failure_phase = phase if phase and phase != "failed" else self.phase
+        self.failure_node = node_id
+        self.finish("failed", reason)
 
     def rolling_tps(self, now: float) -> float:
         if len(self._recent) < 2:
@@ -86,6 +94,8 @@ class GenerationProgress:
             average_tokens_per_second=round(self.average_tps(now), 3),
             active_route_nodes=self.nodes,
             failure_reason=self.failure_reason,
+            failure_phase=self.failure_phase,
+            failure_node=self.failure_node,
             ts=time.time(),
         )
 

@@ -1,9 +1,15 @@
-"""Side-by-side benchmark: single-process llama.cpp vs 2-hop and 3-hop routes, in one run.
+"""Side-by-side benchmark suite: single-process llama.cpp vs routes of this project, in one run.
 
     scripts/bench [--quick] [--json PATH] [--model PRESET|PATH] [--threads N]
 
-Every figure comes from the same machine in the same run; the table prints each route's ratio
-to single-process llama.cpp (the reference every user compares us with).
+Contenders, all on this machine in this run, with the same thread budget per process:
+- single-process llama.cpp (the whole GGUF through llama-cpp-python: what users compare us with)
+- 2-hop and 3-hop routes on the llama.cpp backend, and a 2-hop route on the torch backend
+- 2-hop and 3-hop routes of no-op hops (no model work: the bus's own per-hop cost)
+
+Figures: decode tok/s, prefill tok/s at 512/2048/4096 tokens, time to first token, seam bytes
+per token by phase, per-hop overhead, aggregate decode tok/s at 1/4/8 concurrent sessions, peak
+RSS per hop. The table prints every figure next to its ratio against single-process llama.cpp.
 """
 
 from __future__ import annotations
@@ -11,13 +17,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -27,34 +36,80 @@ from neuron_bus.client import NeuronClient  # noqa: E402
 from neuron_bus.local_swarm import LocalSwarm  # noqa: E402
 from neuron_bus.natsserver import free_port  # noqa: E402
 
+PREFILL_SIZES = (512, 2048, 4096)
+
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
     ids = tokenizer.encode("The sea is wide and deep, and the ships sail on it every day. " * (n // 8 + 8))
     return ids[:n]
 
 
-def bench_single(model_path: Path, threads: int, n_prompt: int, n_decode: int) -> dict:
-    """llama.cpp, whole model, one process: prefill tok/s, TTFT, decode tok/s."""
-    from workers.llama_cpp_full import LlamaCppFullBackend
-    from workers.tokenizer import Tokenizer
+# ------------------------------------------------------------------------------ single process
 
-    ids = np.asarray(prompt_ids(Tokenizer(model_path), n_prompt), dtype=np.int32)
-    backend = LlamaCppFullBackend(model_path, n_threads=threads, n_ctx=n_prompt + n_decode + 8, max_sessions=1, benchmark=False)
+
+def bench_single(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], n_decode: int) -> dict:
+    """llama.cpp, whole model, one process."""
+    from workers.llama_cpp_full import LlamaCppFullBackend
+
+    longest = max(ids_by_size)
+    backend = LlamaCppFullBackend(model_path, n_threads=threads, n_ctx=longest + n_decode + 8, max_sessions=1)
+    out: dict = {"prefill_tok_s": {}, "ttft_s": {}}
     try:
-        backend.open_session("bench", n_prompt + n_decode + 8)
-        t0 = time.perf_counter()
-        logits = backend.prefill("bench", 0, ids)
-        ttft = time.perf_counter() - t0
-        tok = int(np.argmax(logits))
-        t1 = time.perf_counter()
-        for i in range(n_decode):
-            logits = backend.decode_step("bench", n_prompt + i, np.array([tok], dtype=np.int32))
+        for n, ids in ids_by_size.items():
+            backend.open_session("p", longest + n_decode + 8)
+            t0 = time.perf_counter()
+            backend.prefill("p", 0, np.asarray(ids, dtype=np.int32))
+            dt = time.perf_counter() - t0
+            backend.close_session("p")
+            out["prefill_tok_s"][n] = n / dt
+            out["ttft_s"][n] = dt
+        ids = ids_by_size[min(ids_by_size)]
+        best = 0.0
+        for _ in range(2):
+            backend.open_session("d", len(ids) + n_decode + 8)
+            logits = backend.prefill("d", 0, np.asarray(ids, dtype=np.int32))
             tok = int(np.argmax(logits))
-        decode_s = time.perf_counter() - t1
-        backend.close_session("bench")
+            t0 = time.perf_counter()
+            for i in range(n_decode):
+                logits = backend.decode_step("d", len(ids) + i, np.array([tok], dtype=np.int32))
+                tok = int(np.argmax(logits))
+            best = max(best, n_decode / (time.perf_counter() - t0))
+            backend.close_session("d")
+        out["decode_tok_s"] = best
+        out["rss_bytes"] = psutil.Process().memory_info().rss
     finally:
         backend.close()
-    return {"prefill_tok_s": n_prompt / ttft, "ttft_s": ttft, "decode_tok_s": n_decode / decode_s}
+    return out
+
+
+# ------------------------------------------------------------------------------ routes
+
+
+class RssSampler:
+    """Peak RSS of some processes, sampled in the background."""
+
+    def __init__(self, pids: dict[str, int]):
+        self.peak = {name: 0 for name in pids}
+        self._procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for name, p in self._procs.items():
+                try:
+                    self.peak[name] = max(self.peak[name], p.memory_info().rss)
+                except psutil.Error:
+                    pass
+            time.sleep(0.05)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def scrape(port: int, name: str, **labels) -> float:
@@ -67,88 +122,180 @@ def scrape(port: int, name: str, **labels) -> float:
     return 0.0
 
 
-async def timed_generation(url: str, ids: list[int], n_decode: int, wire_dtype: str) -> dict:
+async def generation(client: NeuronClient, route, ids: list[int], n_decode: int) -> dict:
+    """One greedy generation of exactly n_decode + 1 tokens; token arrival times."""
+    t0 = time.perf_counter()
+    stamps = []
+    async for ev in client.generate(
+        prompt_tokens=ids, route=route, chunk_size=512, sampling=M.SamplingParams(max_tokens=n_decode + 1, ignore_eos=True)
+    ):
+        if isinstance(ev, M.TokenDelta):
+            stamps.append(time.perf_counter())
+    return {"t0": t0, "stamps": stamps}
+
+
+def decode_rate(run: dict) -> float:
+    s = run["stamps"]
+    return (len(s) - 1) / (s[-1] - s[0])
+
+
+async def route_figures(url: str, ids_by_size: dict[int, list[int]], n_decode: int, concurrency: tuple[int, ...]) -> dict:
+    out: dict = {"prefill_tok_s": {}, "ttft_s": {}, "aggregate_decode_tok_s": {}, "token_intervals_s": []}
     async with await NeuronClient.connect(url) as client:
-        route = await client.route(wire_dtype=wire_dtype)
-        t0 = time.perf_counter()
-        stamps = []
-        async for ev in client.generate(
-            prompt_tokens=ids, route=route, chunk_size=512,
-            sampling=M.SamplingParams(max_tokens=n_decode + 1, ignore_eos=True),
-        ):
-            if isinstance(ev, M.TokenDelta):
-                stamps.append(time.perf_counter())
-    ttft = stamps[0] - t0
-    return {"ttft_s": ttft, "prefill_tok_s": len(ids) / ttft, "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+        route = await client.route()
+        small = ids_by_size[min(ids_by_size)]
+        await generation(client, route, small[:32], 4)  # warm-up
+        for n, ids in ids_by_size.items():
+            run = await generation(client, route, ids, 1)
+            out["ttft_s"][n] = run["stamps"][0] - run["t0"]
+            out["prefill_tok_s"][n] = n / out["ttft_s"][n]
+        runs = [await generation(client, route, small, n_decode) for _ in range(2)]
+        best = max(runs, key=decode_rate)
+        out["decode_tok_s"] = decode_rate(best)
+        out["token_intervals_s"] = list(np.diff(best["stamps"]))
+        for k in concurrency:
+            t0 = time.perf_counter()
+            runs = await asyncio.gather(*(generation(client, route, small[: 64 + i], n_decode) for i in range(k)))
+            first = min(r["stamps"][0] for r in runs)
+            last = max(r["stamps"][-1] for r in runs)
+            del t0
+            out["aggregate_decode_tok_s"][k] = k * n_decode / (last - first)
+    return out
 
 
-def bench_route(model_path: Path, shards: int, threads: int, n_prompt: int, n_decode: int, wire_dtype: str, workdir: Path) -> dict:
-    from workers.tokenizer import Tokenizer
-
-    ids = prompt_ids(Tokenizer(model_path), n_prompt)
+def bench_route(
+    model_path: Path, shards: int, backend: str, threads: int, ids_by_size: dict[int, list[int]], n_decode: int,
+    workdir: Path, concurrency: tuple[int, ...] = (),
+) -> dict:
     ports = [free_port() for _ in range(shards)]
     swarm = LocalSwarm(
-        model_path, shards, threads=threads, workdir=workdir / f"route{shards}",
-        worker_extra={i: ["--metrics-port", str(p)] for i, p in enumerate(ports)},
+        model_path, shards, backend=backend, threads=threads, workdir=workdir / f"{backend}-{shards}",
+        worker_extra={i: ["--metrics-port", str(p), "--max-sessions", "8"] for i, p in enumerate(ports)},
     )
     with swarm:
-        asyncio.run(timed_generation(swarm.url, ids[:32], 4, wire_dtype))  # warm up the route
-        before = (scrape(ports[0], "neuron_seam_bytes_total", phase="decode", direction="out"),
-                  scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out"))
-        runs = [asyncio.run(timed_generation(swarm.url, ids, n_decode, wire_dtype)) for _ in range(2)]
-        after = (scrape(ports[0], "neuron_seam_bytes_total", phase="decode", direction="out"),
-                 scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out"))
-    best = max(runs, key=lambda r: r["decode_tok_s"])
-    best["decode_seam_bytes_per_token"] = (after[0] - before[0]) / max(after[1] - before[1], 1)
-    return best
+        pids = {n: p.pid for n, p in swarm.procs.items() if n.startswith("worker")}
+        seam0 = {ph: scrape(ports[0], "neuron_seam_bytes_total", phase=ph, direction="out") for ph in ("prefill", "decode")}
+        msgs0 = scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out")
+        with RssSampler(pids) as rss:
+            out = asyncio.run(route_figures(swarm.url, ids_by_size, n_decode, concurrency))
+        seam = {ph: scrape(ports[0], "neuron_seam_bytes_total", phase=ph, direction="out") - seam0[ph] for ph in seam0}
+        msgs = scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out") - msgs0
+        prompt_positions = sum(len(v) for v in ids_by_size.values()) + 32 + len(ids_by_size[min(ids_by_size)]) * 2
+        prompt_positions += sum(64 + i for k in concurrency for i in range(k))
+    out["decode_seam_bytes_per_token"] = seam["decode"] / max(msgs, 1)
+    out["prefill_seam_bytes_per_token"] = seam["prefill"] / prompt_positions
+    out["peak_rss_bytes"] = rss.peak
+    return out
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:5.2f}x" if b else "  -  "
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="short prompt and decode (under 5 minutes)")
+    ap.add_argument("--quick", action="store_true", help="fewer decode tokens (under 5 minutes)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--model", default=models.DEFAULT_PRESET)
-    ap.add_argument("--threads", type=int, default=1, help="threads per process (same for every contender)")
-    ap.add_argument("--wire-dtype", default="f32", choices=["f32", "bf16"])
+    ap.add_argument("--threads", type=int, default=1, help="threads per process (the same for every contender)")
     args = ap.parse_args()
+
+    from workers.tokenizer import Tokenizer
+
     model_path = models.resolve(args.model)
-    n_prompt, n_decode = (128, 64) if args.quick else (512, 128)
+    tok = Tokenizer(model_path)
+    sizes = PREFILL_SIZES
+    ids_by_size = {n: prompt_ids(tok, n) for n in sizes}
+    n_decode = 48 if args.quick else 128
     work = Path(tempfile.mkdtemp(prefix="neuron-bench-"))
+    print(f"model {model_path.name}; prefill {list(sizes)} tokens; {n_decode} decode tokens; "
+          f"{args.threads} thread(s) per process; {psutil.cpu_count()} cores", flush=True)
 
-    print(f"model {model_path.name}, prompt {n_prompt} tokens, {n_decode} decode tokens, {args.threads} thread(s) per process")
-    single = [bench_single(model_path, args.threads, n_prompt, n_decode) for _ in range(2)]
-    single = max(single, key=lambda r: r["decode_tok_s"])
-    route2 = bench_route(model_path, 2, args.threads, n_prompt, n_decode, args.wire_dtype, work)
-    route3 = bench_route(model_path, 3, args.threads, n_prompt, n_decode, args.wire_dtype, work)
-
-    rows = [("single-process llama.cpp", single), ("2-hop route", route2), ("3-hop route", route3)]
-    print(f"\n{'':26} {'decode tok/s':>12} {'ratio':>6} {'prefill tok/s':>13} {'ratio':>6} {'TTFT ms':>8} {'seam B/tok':>10}")
-    for name, r in rows:
-        print(
-            f"{name:26} {r['decode_tok_s']:12.1f} {r['decode_tok_s'] / single['decode_tok_s']:6.2f} "
-            f"{r['prefill_tok_s']:13.1f} {r['prefill_tok_s'] / single['prefill_tok_s']:6.2f} "
-            f"{r['ttft_s'] * 1000:8.1f} {r.get('decode_seam_bytes_per_token', 0):10.0f}"
+    t = time.time()
+    single = bench_single(model_path, args.threads, ids_by_size, n_decode)
+    print(f"  single process done ({time.time() - t:.0f}s)", flush=True)
+    contenders = {}
+    plan = [
+        ("route2 llama.cpp", 2, "llama-cpp", (1, 4, 8)),
+        ("route3 llama.cpp", 3, "llama-cpp", ()),
+        ("route2 torch", 2, "torch", ()),
+        ("route2 no-op", 2, "noop", ()),
+        ("route3 no-op", 3, "noop", ()),
+    ]
+    for name, shards, backend, conc in plan:
+        t = time.time()
+        use_sizes = {min(sizes): ids_by_size[min(sizes)]} if backend == "torch" else ids_by_size
+        contenders[name] = bench_route(
+            model_path, shards, backend, args.threads, use_sizes, 16 if backend == "torch" else n_decode, work, conc
         )
+        print(f"  {name} done ({time.time() - t:.0f}s)", flush=True)
+
+    r2, r3 = contenders["route2 llama.cpp"], contenders["route3 llama.cpp"]
+    hop_ms = []
+    for name, hops in (("route2 no-op", 2), ("route3 no-op", 3)):
+        hop_ms += [1000 * dt / hops for dt in contenders[name]["token_intervals_s"]]
+    per_hop_p50 = statistics.median(hop_ms)
+
+    print()
+    head = f"{'contender':20} {'decode tok/s':>13} {'vs single':>9}"
+    for n in sizes:
+        head += f" {'prefill ' + str(n):>13} {'vs single':>9}"
+    head += f" {'TTFT ms':>8} {'seam B/tok dec':>14} {'seam B/tok pre':>14} {'peak RSS MB/hop':>16}"
+    print(head)
+
+    def row(name: str, r: dict, rss: str) -> None:
+        line = f"{name:20} {r['decode_tok_s']:13.1f} {ratio(r['decode_tok_s'], single['decode_tok_s']):>9}"
+        for n in sizes:
+            if n in r["prefill_tok_s"]:
+                line += f" {r['prefill_tok_s'][n]:13.1f} {ratio(r['prefill_tok_s'][n], single['prefill_tok_s'][n]):>9}"
+            else:
+                line += f" {'-':>13} {'-':>9}"
+        line += f" {1000 * r['ttft_s'][min(sizes)]:8.1f}"
+        line += f" {r.get('decode_seam_bytes_per_token', 0):14.0f} {r.get('prefill_seam_bytes_per_token', 0):14.0f} {rss:>16}"
+        print(line)
+
+    row("single llama.cpp", single, f"{single['rss_bytes'] / 2**20:.0f}")
+    for name, r in contenders.items():
+        row(name, r, "/".join(f"{v / 2**20:.0f}" for v in r["peak_rss_bytes"].values()))
+    agg = r2["aggregate_decode_tok_s"]
+    print()
+    print("aggregate decode tok/s, 2-hop llama.cpp route: " + ", ".join(f"{k} sessions {v:.1f}" for k, v in agg.items())
+          + f"  (8 vs 1: {agg[8] / agg[1]:.2f}x; 8 vs single process: {agg[8] / single['decode_tok_s']:.2f}x)")
+    print(f"per-hop overhead with no-op hops: p50 {per_hop_p50:.3f} ms")
+    big = max(sizes)
+    prefill_time_ratio = single["prefill_tok_s"][big] / r2["prefill_tok_s"][big]
+    print(f"{big}-token prefill, 2-hop route time / single-process time: {prefill_time_ratio:.2f}")
+
     result = {
         "model": model_path.name,
-        "prompt_tokens": n_prompt,
-        "decode_tokens": n_decode,
         "threads_per_process": args.threads,
-        "wire_dtype": args.wire_dtype,
+        "decode_tokens": n_decode,
+        "prefill_sizes": list(sizes),
         "single_decode_tok_s": single["decode_tok_s"],
         "single_prefill_tok_s": single["prefill_tok_s"],
         "single_ttft_s": single["ttft_s"],
-        "route2_decode_tok_s": route2["decode_tok_s"],
-        "route2_prefill_tok_s": route2["prefill_tok_s"],
-        "route2_ttft_s": route2["ttft_s"],
-        "route3_decode_tok_s": route3["decode_tok_s"],
-        "route3_prefill_tok_s": route3["prefill_tok_s"],
-        "route3_ttft_s": route3["ttft_s"],
-        "route2_vs_single_decode_ratio": route2["decode_tok_s"] / single["decode_tok_s"],
-        "route3_vs_single_decode_ratio": route3["decode_tok_s"] / single["decode_tok_s"],
-        "route2_vs_single_prefill_ratio": route2["prefill_tok_s"] / single["prefill_tok_s"],
-        "decode_seam_bytes_per_token": route2["decode_seam_bytes_per_token"],
+        "route2_decode_tok_s": r2["decode_tok_s"],
+        "route3_decode_tok_s": r3["decode_tok_s"],
+        "route2_torch_decode_tok_s": contenders["route2 torch"]["decode_tok_s"],
+        "route2_prefill_tok_s": r2["prefill_tok_s"],
+        "route3_prefill_tok_s": r3["prefill_tok_s"],
+        "route2_ttft_s": r2["ttft_s"],
+        "route3_ttft_s": r3["ttft_s"],
+        "route2_vs_single_decode_ratio": r2["decode_tok_s"] / single["decode_tok_s"],
+        "route3_vs_single_decode_ratio": r3["decode_tok_s"] / single["decode_tok_s"],
+        "decode_seam_bytes_per_token": r2["decode_seam_bytes_per_token"],
+        "prefill_seam_bytes_per_token": r2["prefill_seam_bytes_per_token"],
+        "per_hop_overhead_ms_p50": per_hop_p50,
+        "aggregate_decode_tok_s": agg,
+        "concurrent8_vs_single_ratio": agg[8] / agg[1],
+        f"prefill{big // 1024}k_route2_vs_single_ratio": prefill_time_ratio,
+        "peak_rss_bytes": {name: r["peak_rss_bytes"] for name, r in contenders.items()} | {"single": single["rss_bytes"]},
     }
+    if big == 4096:
+        result["prefill4k_route2_vs_single_ratio"] = prefill_time_ratio
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"\nwrote {args.json}")

@@ -7,7 +7,7 @@ from pathlib import Path
 from workers.errors import BadInput
 from workers.protocol import Backend
 
-KINDS = ("llama-cpp", "llama-cpp-full", "torch")
+KINDS = ("llama-cpp", "llama-cpp-full", "torch", "noop")
 
 
 def open_backend(
@@ -50,4 +50,14 @@ def open_backend(
         if "benchmark" in opts:
             opts["selfbench"] = opts.pop("benchmark")
         return TorchBackend(model_path, layer_start, layer_end, threads=threads, **opts)
+    if kind == "noop":  # the bus alone, for per-hop overhead benchmarks
+        from neuron_bus.artifacts.gguf_model import GGUFModel
+        from workers.noop_backend import NoopBackend
+
+        m = GGUFModel(model_path)
+        return NoopBackend(
+            layer_start=layer_start or 0, layer_end=m.n_layers if layer_end is None else layer_end,
+            n_layers=m.n_layers, hidden_size=int(m.field(f"{m.arch}.embedding_length")),
+            vocab_size=len(m.field("tokenizer.ggml.tokens")),
+        )
     raise BadInput(f"unknown backend kind {kind!r}: use one of {', '.join(KINDS)}")

@@ -535,7 +535,7 @@ class WorkerService:
         )
         await self.nc.publish(S.session_error(s.session_id), M.encode(err))
         if s.progress:
-            s.progress.finish("failed", f"{code}: {message}")
+            s.progress.fail(f"{code}: {message}", s.phase, self.node_id)
             await self._telemetry(s)
         await self._close(s.session_id)
 
