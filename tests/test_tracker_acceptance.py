@@ -288,21 +288,29 @@ class TestFullReplicas:
 
     def test_tracker_restart_keeps_every_heartbeating_node_and_new_sessions_work(self, full_replicas):
         fleet = full_replicas
-        fleet.ensure(alive=FULL)
+        gone = "worker-2"  # a third replica that dies before the restart: its report stays in KV
+        fleet.specs[gone] = WorkerSpec((0, 30), gone)
+        fleet.ensure(alive=[*FULL, gone])
         before = {n.node_id: (n.layer_start, n.layer_end, n.cache_abi, n.backend_id) for n in fleet.coverage().nodes}
+        fleet.swarm.kill(gone)
 
+        forget_after = 15.0
         fleet.swarm.kill("tracker")
-        fleet.swarm._spawn("tracker", ["tracker", "--nats", fleet.url, *fleet.swarm.tracker_extra])
+        fleet.swarm._spawn("tracker", ["tracker", "--nats", fleet.url, "--forget-after", str(forget_after)])
         # Workers announce their capability report once, at start: the new tracker rebuilds them from
         # the neuron-nodes bucket plus live heartbeats.
         wait_until(lambda: _answer(fleet), 60, "the new tracker to answer")
         route = run(ask_route(fleet.url))  # right away: the restarted tracker waits briefly for heartbeats
         assert isinstance(route, M.RouteAssignment), route
+        assert nodes_of(route)[0] in FULL
 
-        live = wait_until(lambda: fleet.live() >= set(FULL) and fleet.coverage(), 30, "every node alive again")
-        after = {n.node_id: (n.layer_start, n.layer_end, n.cache_abi, n.backend_id) for n in live.nodes if n.alive}
-        assert after == before
+        report = wait_until(lambda: fleet.live() >= set(FULL) and fleet.coverage(), 30, "every heartbeating node alive")
+        after = {n.node_id: (n.layer_start, n.layer_end, n.cache_abi, n.backend_id) for n in report.nodes if n.alive}
+        assert after == {k: v for k, v in before.items() if k in FULL}
+        assert gone in report.models[0].nodes_expired  # known from KV, not heartbeating: never routed
         assert len(run(generate(fleet.url, route)).tokens) == 8
+        # The dead node's stored report does not haunt the coverage map forever.
+        wait_until(lambda: gone not in {n.node_id for n in fleet.coverage().nodes}, forget_after + 30, f"{gone} forgotten")
 
 
 def _answer(fleet: Fleet) -> M.CoverageReport | None:

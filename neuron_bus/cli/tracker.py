@@ -53,6 +53,9 @@ def tracker(
         _DEFAULTS.min_capacity_tokens_per_second, help="Coverage: less summed decode tok/s is under-provisioned."
     ),
     ping_interval: float = typer.Option(_DEFAULTS.ping_interval, help="Seconds between latency pings (0: off)."),
+    forget_after: float = typer.Option(
+        _DEFAULTS.forget_after, help="Seconds after which a dead node (or a stored report with no heartbeat) is forgotten."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every heartbeat problem too."),
 ) -> None:
     """Keep the node registry from heartbeats and answer route and coverage requests."""
@@ -63,6 +66,7 @@ def tracker(
         min_replicas=min_replicas,
         min_capacity_tokens_per_second=min_capacity,
         ping_interval=ping_interval,
+        forget_after=forget_after,
     )
     try:
         asyncio.run(_serve(nats, params))

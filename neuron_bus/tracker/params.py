@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class TrackerParams:
     # A node whose last heartbeat is older than this many seconds is dead.
     expiry: float = 5.0
-    # Dead nodes are dropped from the table (and the coverage map) after this long.
+    # Dead nodes are dropped from the table (and the coverage map) after this long; a report never
+    # followed by a heartbeat (e.g. read from KV after a restart) this long after it was read.
     forget_after: float = 600.0
     # Seam latency assumed between two nodes when nothing was measured (seconds).
     default_hop_latency: float = 0.001

@@ -21,6 +21,7 @@ class _Entry:
     caps: CapabilityReport | None = None
     heartbeat: NodeHeartbeat | None = None
     last_seen: float | None = None  # tracker clock, when the last heartbeat arrived
+    added: float | None = None  # tracker clock, when the report arrived (live or read from KV)
     rtt: float | None = None
     assigned: deque[float] = field(default_factory=deque)
     was_alive: bool = False
@@ -33,8 +34,11 @@ class Registry:
 
     # -- updates ------------------------------------------------------------------------------
 
-    def apply_report(self, caps: CapabilityReport) -> None:
-        self._nodes.setdefault(caps.node_id, _Entry()).caps = caps
+    def apply_report(self, caps: CapabilityReport, now: float | None = None) -> None:
+        entry = self._nodes.setdefault(caps.node_id, _Entry())
+        entry.caps = caps
+        if entry.added is None:
+            entry.added = now
 
     def apply_heartbeat(self, hb: NodeHeartbeat, now: float) -> None:
         entry = self._nodes.setdefault(hb.node_id, _Entry())
@@ -70,6 +74,9 @@ class Registry:
     def sweep(self, now: float) -> tuple[list[str], list[str]]:
         """Note liveness changes; forget nodes dead for ``forget_after``.
 
+        A report never followed by a heartbeat counts from when it arrived: the KV bucket keeps
+        every node that ever announced itself, and a restarted tracker reads them all.
+
         Returns (node ids that came alive, node ids that expired) since the last sweep.
         """
         joined, expired = [], []
@@ -80,8 +87,9 @@ class Registry:
             elif not alive and entry.was_alive:
                 expired.append(node_id)
             entry.was_alive = alive
-            if not alive and entry.last_seen is not None and now - entry.last_seen > self.params.forget_after:
-                del self._nodes[node_id]  # reports never followed by a heartbeat stay (shown as expired)
+            seen = entry.last_seen if entry.last_seen is not None else entry.added
+            if not alive and seen is not None and now - seen > self.params.forget_after:
+                del self._nodes[node_id]
             while entry.assigned and now - entry.assigned[0] > self.params.assignment_window:
                 entry.assigned.popleft()
         return sorted(joined), sorted(expired)

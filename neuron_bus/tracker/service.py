@@ -117,7 +117,7 @@ class TrackerService:
     async def _fetch_report(self, node_id: str) -> bool:
         try:
             entry = await self._kv_nodes.get(node_id)
-            self.registry.apply_report(messages.decode(entry.value, CapabilityReport))
+            self.registry.apply_report(messages.decode(entry.value, CapabilityReport), _mono())
             return True
         except jserr.KeyNotFoundError:
             log.warning("node %s heartbeats but has no report in %s", node_id, S.KV_NODES)
@@ -140,7 +140,7 @@ class TrackerService:
         except MalformedMessage as exc:
             log.warning("ignored a report on %s: %s", msg.subject, exc)
             return
-        self.registry.apply_report(caps)
+        self.registry.apply_report(caps, _mono())
 
     async def _on_heartbeat(self, msg) -> None:
         try:
