@@ -26,9 +26,11 @@ def slowed(tokens_per_second: float, positions_per_call: int, slow_ms: float) ->
 
 
 def build_report(
-    node_id: str, backend, model_path, preset: str, revision: str, artifact_id: str, trust_tier: str, slow_ms: float = 0.0
+    node_id: str, backend, preset: str, revision: str, artifact_id: str, trust_tier: str, slow_ms: float = 0.0
 ) -> M.CapabilityReport:
-    cap = backend.capability
+    cap = backend.capability.as_dict()
+    cap["prefill_tokens_per_second"] = slowed(cap["prefill_tokens_per_second"], 256, slow_ms)
+    cap["decode_tokens_per_second"] = slowed(cap["decode_tokens_per_second"], 1, slow_ms)
     return M.CapabilityReport(
         node_id=node_id,
         model_preset=preset,
@@ -39,19 +41,9 @@ def build_report(
         layer_end=backend.layer_end,
         n_layers_total=backend.n_layers,
         hidden_size=backend.hidden_size,
-        model_arch=cap.model_arch,
-        supported_runtime=cap.supported_runtime,
-        supports_prefill=cap.supports_prefill,
-        supports_decode_step=cap.supports_decode_step,
-        supports_layer_range=cap.supports_layer_range,
-        supports_partial_artifacts=cap.supports_partial_artifacts,
-        cache_abi=cap.cache_abi,
-        cache_bytes_per_token_estimate=cap.cache_bytes_per_token_estimate,
-        prefill_tokens_per_second=slowed(cap.prefill_tokens_per_second, 256, slow_ms),
-        decode_tokens_per_second=slowed(cap.decode_tokens_per_second, 1, slow_ms),
-        active_memory_floor=cap.active_memory_floor,
         trust_tier=trust_tier,
         started_at=time.time(),
+        **cap,
     )
 
 
@@ -141,7 +133,7 @@ def worker(
         tok = Tokenizer(path)
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
-    report = build_report(node_id, be, path, preset, revision, artifact_id, trust_tier, slow_ms)
+    report = build_report(node_id, be, preset, revision, artifact_id, trust_tier, slow_ms)
     if snapshot_every < 0:
         fail("--snapshot-every must be 0 (off) or positive")
     options = WorkerOptions(
