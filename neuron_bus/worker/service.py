@@ -428,10 +428,21 @@ class WorkerService:
             s.position += x.shape[0]
             s.seq += 1
             s.last_used = time.monotonic()
-            await self._forward(s, header, x.shape[0], out)
+            try:
+                await self._forward(s, header, x.shape[0], out)
+            except NeuronBusError as exc:
+                if exc.reason != "session_gone":
+                    raise
+                await m.term()  # the session closed or moved while its output waited for a full next hop
+                continue
             if not s.finished and self.snapshots.due(before, s.position, s.open.prompt_tokens):
                 await self._snapshot(s)
             await m.ack()
+
+    def _still_current(self, s: HopSession) -> None:
+        """Stop waiting on a full next hop (a dead one, say) once the session closed or moved."""
+        if self.sessions.get(s.session_id) is not s:
+            raise NeuronBusError("session_gone", f"session {s.session_id} closed or moved to a repaired route")
 
     async def _snapshot(self, s: HopSession) -> None:
         """Export the session's cache now (it is at a snapshot position) and upload it in the background."""
@@ -471,7 +482,10 @@ class WorkerService:
         if not s.is_tail:
             nxt = s.header(s.hop_index + 1, header.position, header.phase, s.out_seq, s.route.wire_dtype)
             headers, body = codec.encode(nxt, out, max_body=self.opts.max_body)
-            await publish(self.js, S.hop_input(s.route.route_id, s.hop_index + 1, header.phase), body, headers)
+            await publish(
+                self.js, S.hop_input(s.route.route_id, s.hop_index + 1, header.phase), body, headers,
+                on_wait=lambda _n: self._still_current(s),
+            )
             s.out_seq += 1
             self.metrics.seam(header.phase, "out", len(body))
             return
