@@ -23,8 +23,11 @@ class TrackerParams:
     # median of what the group's measured nodes take per token for as many layers (speed.py).
     slow_factor: float = 3.0
     # Routes assigned within this window count as load on their nodes until heartbeats report
-    # the sessions themselves.
+    # the sessions themselves: an assignment stops counting once a heartbeat arrives
+    # ``assignment_grace`` seconds after it (a session opened on it is in that heartbeat's count;
+    # a route nobody opened, e.g. a readiness probe or a client that gave up, weighs no longer).
     assignment_window: float = 30.0
+    assignment_grace: float = 3.0
     # Coverage: a layer with fewer live replicas than this is under-provisioned.
     min_replicas: int = 2
     # Coverage: a layer whose measured capacity (sum of decode tok/s) is below this is

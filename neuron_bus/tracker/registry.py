@@ -97,7 +97,6 @@ class Registry:
     def views(self, now: float) -> list[NodeView]:
         """A snapshot of every node with a capability report, for the planner and coverage."""
         out = []
-        window = self.params.assignment_window
         for node_id in sorted(self._nodes):
             entry = self._nodes[node_id]
             if entry.caps is None:
@@ -113,7 +112,7 @@ class Registry:
                     decode_tps=_measured(hb.decode_tokens_per_second if hb else 0.0, caps.decode_tokens_per_second),
                     prefill_tps=_measured(hb.prefill_tokens_per_second if hb else 0.0, caps.prefill_tokens_per_second),
                     sessions_active=hb.sessions_active if hb else 0,
-                    recently_assigned=sum(1 for t in entry.assigned if now - t <= window),
+                    recently_assigned=self._pending_assignments(entry, now),
                     queue_depth=hb.queue_depth if hb else 0,
                     failure_rate=hb.route_failure_rate if hb else 0.0,
                     rtt=entry.rtt,
@@ -122,6 +121,15 @@ class Registry:
                 )
             )
         return out
+
+    def _pending_assignments(self, entry: _Entry, now: float) -> int:
+        """Recent assignments no heartbeat could have reported yet (see TrackerParams)."""
+        reported_before = entry.last_seen - self.params.assignment_grace if entry.last_seen is not None else None
+        return sum(
+            1
+            for t in entry.assigned
+            if now - t <= self.params.assignment_window and (reported_before is None or t > reported_before)
+        )
 
 
 def _consistent(entry: _Entry) -> bool:
