@@ -16,7 +16,7 @@ from neuron_bus.messages import SamplingParams
 @dataclass(frozen=True)
 class Sample:
     token_id: int
-    logprob: float
+    logprob: float | None  # only when asked for (a softmax over the vocabulary costs time)
     top_logprobs: dict[int, float] | None
 
 
@@ -27,8 +27,11 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, index: int, top_n: int = 0) -> Sample:
-    """Choose the next token from last-position ``logits`` (float32 [vocab])."""
-    logp = log_softmax(logits)
+    """Choose the next token from last-position ``logits`` (float32 [vocab]).
+
+    Log-probabilities (of the choice, and the ``top_n`` best) are computed when
+    ``params.logprobs`` is set or ``top_n`` > 0.
+    """
     if params.temperature <= 0.0:
         token = int(np.argmax(logits))
     else:
@@ -43,6 +46,9 @@ def sample(logits: np.ndarray, params: SamplingParams, index: int, top_n: int = 
             order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
         rng = np.random.default_rng([params.seed & 0xFFFFFFFF, index])
         token = int(order[rng.choice(len(order), p=probs)])
+    if not (params.logprobs or top_n > 0):
+        return Sample(token, None, None)
+    logp = log_softmax(logits)
     top = None
     if top_n > 0:
         best = np.argsort(-logp, kind="stable")[:top_n]

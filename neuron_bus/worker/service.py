@@ -525,12 +525,13 @@ class WorkerService:
             logprob=pick.logprob if params.logprobs else None, top_logprobs=top,
             finished=finish is not None, finish_reason=finish,
         )
-        await publish(self.js, S.session_tokens(s.session_id), M.encode(delta))
-        if finish is None:
+        if finish is None:  # the ring first: the next step is the critical path
             head = s.header(0, position, "decode", s.ring_seq(index), "i32")
             headers, body = codec.encode(head, np.array([pick.token_id], dtype=np.int32))
             await publish(self.js, S.hop_input(s.route.route_id, 0, "decode"), body, headers)
             self.metrics.seam("decode", "out", len(body))
+        await publish(self.js, S.session_tokens(s.session_id), M.encode(delta))
+        if finish is None:
             if s.progress.due():
                 await self._telemetry(s)
         else:
