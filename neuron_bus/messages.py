@@ -123,6 +123,7 @@ class RouteAssignment(Struct, tag_field="type", tag="route"):
     wire_dtype: WireDtype = "f32"
     encoding: Encoding = "raw"
     created_at: float = 0.0
+    policy: RoutePolicy = "public"  # the policy the route was planned under
 
 
 class RouteRejection(Struct, tag_field="type", tag="rejected"):
@@ -157,6 +158,7 @@ class SessionOpen(Struct, tag_field="op", tag="open"):
     n_ctx: int
     chunk_size: int = 256
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    prompt: list[int] | None = None  # the prompt's token ids, sent to the tail only (its validation event)
 
 
 class SessionOpened(Struct, tag_field="type", tag="opened"):
@@ -367,6 +369,14 @@ class RouteMember(Struct):
     trust_tier: TrustTier = "untrusted"
 
 
+class LogitSample(Struct):
+    """The tail's top raw logits before sampling generated token ``index`` (for replay tolerance checks)."""
+
+    index: int
+    token_ids: list[int]
+    logits: list[float]
+
+
 class ValidationEvent(Struct):
     """Enough to reproduce a generation's route membership and its observed output."""
 
@@ -383,6 +393,53 @@ class ValidationEvent(Struct):
     policy: RoutePolicy = "public"
     output_logits_sample: list[float] = []
     created_at: float = 0.0
+    logit_samples: list[LogitSample] = []  # the first few generated tokens' top logits
+    wire_dtype: WireDtype = "f32"
+    encoding: Encoding = "raw"
+    chunk_size: int = 256
+    finish_reason: str | None = None
+    tail_node_id: str = ""  # the node that published the event
+
+
+class AuditRequest(Struct):
+    """The tracker sampled a session for replay (``neuron.audit.request``)."""
+
+    session_id: str
+    event_id: str
+    requested_at: float = 0.0
+
+
+AuditOutcome = Literal["agree", "disagree", "unverifiable"]
+
+
+class AuditVerdict(Struct):
+    """The result of replaying one validation event on a reference."""
+
+    session_id: str
+    event_id: str
+    verdict: AuditOutcome
+    reference: str  # "single" (one-process llama.cpp) or "route"
+    members: list[str]  # node ids of the replayed route, head first
+    detail: str = ""
+    compared_tokens: int = 0
+    first_divergence: int | None = None  # index of the first generated token that differs
+    max_logit_diff: float = 0.0
+    tolerance: float = 0.0
+    attributed_to: list[str] = []  # nodes this disagreement was pinned on (see trust/attribution.py)
+    ts: float = 0.0
+
+
+class NodeTrust(Struct):
+    """A node's audit record, kept in KV ``neuron-flags``; a flagged node is never routed."""
+
+    node_id: str
+    agreements: int = 0
+    disagreements: int = 0
+    attributed: int = 0  # disagreements pinned on this node alone
+    flagged: bool = False
+    reason: str = ""
+    sessions: list[str] = []  # the sessions whose replays flagged it
+    updated_at: float = 0.0
 
 
 class LedgerEntry(Struct):
@@ -587,6 +644,9 @@ ALL_MESSAGES: tuple[type[Struct], ...] = (
     TokenDelta,
     GenerationTelemetry,
     ValidationEvent,
+    AuditRequest,
+    AuditVerdict,
+    NodeTrust,
     LedgerEntry,
     ArtifactManifest,
     CoverageRequest,

@@ -14,17 +14,22 @@ STREAM_TELEMETRY = "NEURON_TELEMETRY"  # neuron.telemetry.>   last per subject
 STREAM_TOKENS = "NEURON_TOKENS"  # neuron.session.*.tokens / .error, limits, memory
 STREAM_VALIDATION = "NEURON_VALIDATION"  # neuron.validation.>  durable, file
 STREAM_LEDGER = "NEURON_LEDGER"  # neuron.ledger.>      durable, file
+STREAM_AUDIT = "NEURON_AUDIT"  # neuron.audit.>  replay requests and verdicts, file
 
 # Key-value and object buckets.
 KV_NODES = "neuron-nodes"  # node_id -> CapabilityReport
 KV_ROUTES = "neuron-routes"  # route_id -> RouteAssignment
 OBJ_ARTIFACTS = "neuron-artifacts"  # manifests and pieces
 OBJ_SNAPSHOTS = "neuron-snapshots"  # KV cache snapshots (may live on a separate server)
+KV_FLAGS = "neuron-flags"  # node_id -> NodeTrust (audit record; flagged nodes are not routed)
 
 ROUTE_REQUEST = f"{ROOT}.route.request"  # request/reply to the tracker
 TRACKER_COVERAGE = f"{ROOT}.tracker.coverage"  # request/reply: CoverageRequest -> CoverageReport
 NODE_ANNOUNCE_ALL = f"{ROOT}.node.*.caps"
 NODE_HEARTBEAT_ALL = f"{ROOT}.node.*.heartbeat"
+VALIDATION_ALL = f"{ROOT}.validation.>"
+AUDIT_REQUEST = f"{ROOT}.audit.request"  # AuditRequest: a session the tracker sampled for replay
+LEDGER_ALL = f"{ROOT}.ledger.>"
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -83,3 +88,7 @@ def validation(session_id: str) -> str:
 
 def ledger(node_id: str) -> str:
     return f"{ROOT}.ledger.{check_token(node_id, 'node id')}"
+
+
+def audit_verdict(session_id: str) -> str:
+    return f"{ROOT}.audit.verdict.{check_token(session_id, 'session id')}"

@@ -118,11 +118,28 @@ def topology(replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) ->
             storage=StorageType.FILE,
             num_replicas=r,
         ),
+        StreamConfig(
+            name=S.STREAM_AUDIT,
+            description="replay requests sampled by the tracker and the auditor's verdicts",
+            subjects=[f"{S.ROOT}.audit.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=30 * DAY,
+            num_replicas=r,
+        ),
     )
     kv = (
         KeyValueConfig(
             bucket=S.KV_NODES,
             description="node_id -> CapabilityReport",
+            history=1,
+            ttl=None,
+            storage=StorageType.FILE,
+            replicas=r,
+        ),
+        KeyValueConfig(
+            bucket=S.KV_FLAGS,
+            description="node_id -> NodeTrust (audit record; flagged nodes are excluded from routes)",
             history=1,
             ttl=None,
             storage=StorageType.FILE,
