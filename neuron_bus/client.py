@@ -96,6 +96,17 @@ class NeuronClient:
             raise RouteError(reply.code, f"{node_id}: {reply.message}", node_id=node_id)
         return reply
 
+    async def coverage(self, model_preset: str | None = None, timeout: float = CONTROL_TIMEOUT_S) -> M.CoverageReport:
+        """The tracker's coverage map (every model, or one)."""
+        try:
+            msg = await self.nc.request(S.TRACKER_COVERAGE, M.encode(M.CoverageRequest(model_preset=model_preset)), timeout=timeout)
+        except Exception as exc:
+            raise RouteError("no_tracker", f"no tracker answered on {S.TRACKER_COVERAGE}: {type(exc).__name__}") from None
+        reply = M.decode(msg.data, M.CoverageReport | M.ControlError)
+        if isinstance(reply, M.ControlError):
+            raise RouteError(reply.code, reply.message)
+        return reply
+
     async def route(self, model_preset: str = DEFAULT_PRESET, wire_dtype: str = "f32", encoding: str = "raw", **pins) -> M.RouteAssignment:
         req = M.RouteRequest(
             request_id=uuid.uuid4().hex, model_preset=model_preset, wire_dtype=wire_dtype, encoding=encoding, **pins
@@ -128,12 +139,14 @@ class NeuronClient:
         route: M.RouteAssignment | None = None,
         prefill_retries: int = PREFILL_RETRIES,
         repair: bool = True,
+        policy: str = "public",
     ) -> AsyncIterator[M.TokenDelta | M.GenerationTelemetry]:
         """Yield telemetry and token deltas; raise RouteError on a failed route.
 
         A route that fails before the first token is retried from scratch on a new route
         (``prefill_retries`` times); a hop lost during decode is replaced when a compatible
         replacement and snapshot exist (``repair``, see repair.py), otherwise the session fails.
+        ``policy`` (public, private, paid-trusted) is asked of the tracker for every route it plans.
         """
         sampling = sampling or M.SamplingParams()
         session_id = uuid.uuid4().hex
@@ -165,7 +178,7 @@ class NeuronClient:
                 try:
                     if need_start:
                         if route_obj is None:
-                            route_obj = await self._route_avoiding(lost, model_preset, wire_dtype, encoding)
+                            route_obj = await self._route_avoiding(lost, model_preset, wire_dtype, encoding, policy)
                         progress.route_id = route_obj.route_id
                         progress.nodes = [h.node_id for h in route_obj.hops]
                         progress.finish("loading")
@@ -185,6 +198,7 @@ class NeuronClient:
                                 M.SessionOpen(
                                     session_id=session_id, route=route_obj, hop_index=i, prompt_tokens=len(prompt_tokens),
                                     n_ctx=n_ctx, chunk_size=chunk_size, sampling=sampling,
+                                    prompt=list(prompt_tokens) if i == len(route_obj.hops) - 1 else None,  # validation event
                                 ),
                             )
                             opened.append(hop.node_id)
@@ -223,6 +237,7 @@ class NeuronClient:
                     spec = M.SessionOpen(
                         session_id=session_id, route=route_obj, hop_index=0, prompt_tokens=len(prompt_tokens),
                         n_ctx=len(prompt_tokens) + sampling.max_tokens, chunk_size=chunk_size, sampling=sampling,
+                        prompt=list(prompt_tokens),
                     )
                     try:
                         route_obj, start, node = await repair_route(self, route_obj, exc.node_id, spec, list(generated), repairs, lost)
@@ -260,11 +275,13 @@ class NeuronClient:
             except RouteError:
                 pass  # the node is gone; its cache went with it
 
-    async def _route_avoiding(self, lost: set[str], model_preset: str, wire_dtype: str, encoding: str) -> M.RouteAssignment:
+    async def _route_avoiding(
+        self, lost: set[str], model_preset: str, wire_dtype: str, encoding: str, policy: str = "public"
+    ) -> M.RouteAssignment:
         """A route without the nodes lost so far, while the tracker may still list them (then any)."""
         deadline = time.monotonic() + AVOID_LOST_S
         while True:
-            route = await self.route(model_preset, wire_dtype, encoding)
+            route = await self.route(model_preset, wire_dtype, encoding, policy=policy)
             if not lost & {h.node_id for h in route.hops} or time.monotonic() > deadline:
                 return route
             await asyncio.sleep(0.5)
@@ -359,7 +376,7 @@ class NeuronClient:
     ) -> Generation:
         """Run a generation to its end and collect it."""
         start = time.monotonic()
-        route = route or await self.route(model_preset, wire_dtype, encoding)
+        route = route or await self.route(model_preset, wire_dtype, encoding, policy=kwargs.get("policy", "public"))
         prompt_ids = kwargs.pop("prompt_tokens", None)
         if prompt_ids is None:
             tok = await self.control(route.hops[0].node_id, M.TokenizeRequest(text=prompt, messages=messages))

@@ -206,29 +206,31 @@ class LocalSwarm:
             await nc.close()
 
     def wait_ready(self, timeout: float) -> M.RouteAssignment:
-        """Block until the tracker hands out a route over every worker's layers."""
+        """Block until the tracker sees every worker alive and hands out a complete route."""
         deadline = time.monotonic() + timeout
-        want = sorted(s.layers for s in self.workers)
+        want = {s.node_id for s in self.workers}
         last = "no answer"
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise NeuronBusError("swarm_failed", f"{name} exited with {proc.returncode}: {self.log_tail(name)}")
             try:
-                route = asyncio.run(self._route())
-                if sorted((h.layer_start, h.layer_end) for h in route.hops) == want:
+                alive, route = asyncio.run(self._probe())
+                if want <= alive:
                     return route
-                last = f"route covers {[(h.layer_start, h.layer_end) for h in route.hops]}"
+                last = f"alive: {sorted(alive)}"
             except Exception as exc:
                 last = str(exc)
             time.sleep(0.5)
         raise NeuronBusError("swarm_not_ready", f"swarm not ready after {timeout:.0f}s: {last}")
 
-    async def _route(self) -> M.RouteAssignment:
+    async def _probe(self) -> tuple[set[str], M.RouteAssignment]:
         from neuron_bus.client import NeuronClient
 
         async with await NeuronClient.connect(self.url) as client:
-            return await client.route(self.preset)
+            report = await client.coverage(self.preset)
+            alive = {n.node_id for n in report.nodes if n.alive}
+            return alive, await client.route(self.preset)
 
     def log_tail(self, name: str, n: int = 8) -> str:
         try:

@@ -14,9 +14,9 @@ import typer
 from neuron_bus import messages
 from neuron_bus import subjects as S
 from neuron_bus.cli.app import NatsOption, app, fail
-from neuron_bus.errors import MalformedMessage
 from neuron_bus.topology import connect
 from neuron_bus.tracker import TrackerParams, TrackerService
+from neuron_bus.client import NeuronClient, RouteError
 from neuron_bus.tracker.coverage import spans
 from neuron_bus.tracker.layers import spell
 from neuron_bus.tracker.service import TrackerError
@@ -56,6 +56,9 @@ def tracker(
     forget_after: float = typer.Option(
         _DEFAULTS.forget_after, help="Seconds after which a dead node (or a stored report with no heartbeat) is forgotten."
     ),
+    audit_rate: float = typer.Option(
+        _DEFAULTS.audit_rate, min=0.0, max=1.0, help="Fraction of sessions sent to `neuron-bus auditor` for replay."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every heartbeat problem too."),
 ) -> None:
     """Keep the node registry from heartbeats and answer route and coverage requests."""
@@ -67,6 +70,7 @@ def tracker(
         min_capacity_tokens_per_second=min_capacity,
         ping_interval=ping_interval,
         forget_after=forget_after,
+        audit_rate=audit_rate,
     )
     try:
         asyncio.run(_serve(nats, params))
@@ -77,17 +81,8 @@ def tracker(
 
 
 async def fetch_coverage(url: str, model_preset: str | None, timeout: float) -> messages.CoverageReport:
-    nc = await connect(url, name="neuron-bus-coverage", max_reconnect_attempts=1)
-    try:
-        msg = await nc.request(
-            S.TRACKER_COVERAGE, messages.encode(messages.CoverageRequest(model_preset=model_preset)), timeout=timeout
-        )
-    finally:
-        await nc.close()
-    reply = messages.decode(msg.data, messages.CoverageReport | messages.ControlError)
-    if isinstance(reply, messages.ControlError):
-        raise MalformedMessage(reply.code, reply.message)
-    return reply
+    async with await NeuronClient.connect(url) as client:
+        return await client.coverage(model_preset, timeout)
 
 
 @app.command()
@@ -100,12 +95,12 @@ def coverage(
     """Per layer: live replicas, measured capacity and status; plus where a new node helps most."""
     try:
         report = asyncio.run(fetch_coverage(nats, model, timeout))
-    except (nats_errors.NoRespondersError, nats_errors.TimeoutError, asyncio.TimeoutError):
-        fail(f"no tracker answered on {S.TRACKER_COVERAGE} at {nats} (is `neuron-bus tracker` running?)")
+    except RouteError as exc:
+        if exc.reason == "no_tracker":
+            fail(f"no tracker answered on {S.TRACKER_COVERAGE} at {nats} (is `neuron-bus tracker` running?)")
+        fail(f"bad coverage reply: {exc}")
     except (OSError, nats_errors.Error) as exc:
         fail(f"cannot reach NATS at {nats}: {exc}")
-    except MalformedMessage as exc:
-        fail(f"bad coverage reply: {exc}")
     if as_json:
         typer.echo(json.dumps(msgspec.to_builtins(report), indent=2))
         return

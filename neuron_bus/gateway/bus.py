@@ -91,13 +91,9 @@ class Bus:
 
     async def coverage(self, model_preset: str | None = None) -> M.CoverageReport:
         try:
-            msg = await self.client.nc.request(
-                S.TRACKER_COVERAGE, M.encode(M.CoverageRequest(model_preset=model_preset)), timeout=TRACKER_TIMEOUT_S
-            )
-        except Exception as exc:
-            raise ApiError(503, f"no tracker answered on {S.TRACKER_COVERAGE}: {type(exc).__name__}",
-                           type="service_unavailable", code="no_tracker") from None
-        return M.decode(msg.data, M.CoverageReport)
+            return await self.client.coverage(model_preset, timeout=TRACKER_TIMEOUT_S)
+        except RouteError as exc:
+            raise ApiError(503, str(exc), type="service_unavailable", code=exc.reason) from None
 
     async def models(self) -> list[str]:
         return routable(await self.coverage())
