@@ -1,0 +1,82 @@
+"""What a worker measures about itself for its heartbeats, beyond throughput.
+
+- disk read rate: bytes this process read from storage per second (weights paged in by mmap,
+  artifact pieces), from the OS counters;
+- route failure rate: the share of this node's recent sessions that ended in an error;
+- latency to neighbours: round trips over the bus to the nodes next to it on its routes
+  (a `Ping` on their control subject), halved, refreshed every few seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+import psutil
+
+from neuron_bus import messages as M
+from neuron_bus import subjects as S
+
+PING_EVERY_S = 5.0
+PING_TIMEOUT_S = 1.0
+OUTCOMES_KEPT = 50
+
+
+class NodeTelemetry:
+    def __init__(self, node_id: str):
+        self.node_id = node_id
+        self._proc = psutil.Process()
+        self._last_io = (time.monotonic(), self._read_bytes())
+        self._outcomes: deque[bool] = deque(maxlen=OUTCOMES_KEPT)  # True = the session failed
+        self.latency_ms: dict[str, float] = {}
+        self._pinged_at = 0.0
+
+    def _read_bytes(self) -> int:
+        try:
+            return self._proc.io_counters().read_bytes
+        except (psutil.Error, AttributeError):
+            return 0
+
+    def disk_read_rate(self) -> float:
+        now, read = time.monotonic(), self._read_bytes()
+        then, before = self._last_io
+        self._last_io = (now, read)
+        return max(0.0, (read - before) / max(now - then, 1e-6))
+
+    def session_ended(self, failed: bool) -> None:
+        self._outcomes.append(failed)
+
+    def failure_rate(self) -> float:
+        return sum(self._outcomes) / len(self._outcomes) if self._outcomes else 0.0
+
+    async def refresh_latency(self, nc, neighbours: set[str]) -> None:
+        """Ping the neighbours (at most every PING_EVERY_S); forget nodes no longer next to us."""
+        self.latency_ms = {n: ms for n, ms in self.latency_ms.items() if n in neighbours}
+        if not neighbours or time.monotonic() - self._pinged_at < PING_EVERY_S:
+            return
+        self._pinged_at = time.monotonic()
+        results = await asyncio.gather(*(self._ping(nc, n) for n in neighbours))
+        for node, ms in zip(neighbours, results):
+            if ms is not None:
+                self.latency_ms[node] = ms
+
+    async def _ping(self, nc, node: str) -> float | None:
+        sent = time.perf_counter()
+        try:
+            await nc.request(S.node_control(node), M.encode(M.Ping(sent_at=time.time())), timeout=PING_TIMEOUT_S)
+        except Exception:  # gone or busy: no figure this time
+            return None
+        return round((time.perf_counter() - sent) * 1000 / 2, 3)
+
+
+def neighbours(node_id: str, routes: list[M.RouteAssignment]) -> set[str]:
+    """Nodes adjacent to ``node_id`` on these routes (the ring closes tail -> head)."""
+    out: set[str] = set()
+    for route in routes:
+        ids = [h.node_id for h in route.hops]
+        for i, n in enumerate(ids):
+            if n == node_id:
+                out.update({ids[i - 1], ids[(i + 1) % len(ids)]})
+    out.discard(node_id)
+    return out
