@@ -21,8 +21,8 @@ BIN = str(Path(sys.executable).parent / "neuron-bus")
 
 def test_help_lists_subcommands():
     out = subprocess.run([BIN, "--help"], capture_output=True, text=True, check=True).stdout
-    for cmd in ("server",):
-        assert cmd in out
+    for cmd in ("server", "up", "worker", "tracker", "coverage", "gateway", "generate", "sessions", "artifact", "audit"):
+        assert f" {cmd} " in out, cmd
 
 
 async def _names(url: str) -> tuple[set[str], set[str], set[str]]:
