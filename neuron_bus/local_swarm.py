@@ -65,6 +65,8 @@ class LocalSwarm:
         gateway_extra: list[str] | None = None,
         from_store: bool = False,
         cluster: int = 1,
+        credentials: dict[str, str] | None = None,
+        auditor_extra: list[str] | None = None,
     ):
         self.model_path = Path(model_path)
         self.preset = preset_for(self.model_path)
@@ -73,9 +75,17 @@ class LocalSwarm:
         self.threads = threads
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # role -> password: the server enforces `neuron-bus permissions`' users; every process connects as its role
+        self.credentials = credentials
+        auth = ""
+        if credentials:
+            from neuron_bus.trust.permissions import render
+
+            auth = render(credentials)
         if cluster == 1:
             self.servers = [NatsServer(ServerConfig(
-                store_dir=self.workdir / "nats", port=nats_port or free_port(), http_port=http_port or free_port()
+                store_dir=self.workdir / "nats", port=nats_port or free_port(), http_port=http_port or free_port(),
+                extra=auth,
             ))]
         else:  # a NATS cluster: streams and buckets get ``cluster`` replicas
             routes_ = [free_port() for _ in range(cluster)]
@@ -83,6 +93,7 @@ class LocalSwarm:
                 NatsServer(ServerConfig(
                     store_dir=self.workdir / f"nats-{i}", port=free_port(), http_port=free_port(), server_name=f"nats-{i}",
                     cluster_name="neuron", cluster_port=p, routes=[f"nats-route://127.0.0.1:{r}" for r in routes_],
+                    extra=auth,
                 ))
                 for i, p in enumerate(routes_)
             ]
@@ -95,13 +106,27 @@ class LocalSwarm:
             WorkerSpec(r, f"worker-{i}", list((worker_extra or {}).get(i, []))) for i, r in enumerate(ranges)
         ]
         self.tracker_extra = tracker_extra or []
+        self.auditor_extra = auditor_extra  # None: no auditor process
         self.gateway_port = gateway_port
         self.gateway_extra = gateway_extra or []
         self.procs: dict[str, subprocess.Popen] = {}
 
     @property
-    def url(self) -> str:
+    def plain_url(self) -> str:
         return ",".join(srv.url for srv in self.servers)
+
+    @property
+    def url(self) -> str:
+        """The bus for this process (as admin when the swarm runs with credentials)."""
+        return self.role_url("admin")
+
+    def role_url(self, role: str) -> str:
+        """The bus as ``role`` (worker, tracker, auditor, client, gateway, observer, admin)."""
+        if not self.credentials:
+            return self.plain_url
+        from neuron_bus.trust.permissions import role_url
+
+        return role_url(self.plain_url, role, self.credentials[role])
 
     @property
     def gateway_url(self) -> str | None:
@@ -120,13 +145,13 @@ class LocalSwarm:
             spec.node_id,
             ["worker", *(["--artifact", self.artifact_id] if self.artifact_id else ["--model", str(self.model_path)]),
              "--layers", format_layers(*spec.layers),
-             "--backend", self.backend, "--nats", self.url, "--threads", str(self.threads),
+             "--backend", self.backend, "--nats", self.role_url("worker"), "--threads", str(self.threads),
              "--node-id", spec.node_id, *spec.extra],
         )
 
     def start(self, timeout: float = 180.0, on_step=None) -> "LocalSwarm":
         step = on_step or (lambda text: None)
-        step(f"nats-server on {self.url}")
+        step(f"nats-server on {self.plain_url}")
         self._start_servers(timeout)
         kw = {"prefill_window": self.prefill_window} if self.prefill_window else {}
         asyncio.run(self._provision(**kw))
@@ -134,7 +159,10 @@ class LocalSwarm:
             step("publishing the model to the shard swarm")
             self.artifact_id = asyncio.run(self._publish())
         step("tracker")
-        self._spawn("tracker", ["tracker", "--nats", self.url, *self.tracker_extra])
+        self._spawn("tracker", ["tracker", "--nats", self.role_url("tracker"), *self.tracker_extra])
+        if self.auditor_extra is not None:
+            step("auditor")
+            self._spawn("auditor", ["auditor", "--nats", self.role_url("auditor"), *self.auditor_extra])
         for spec in self.workers:
             step(f"worker {spec.node_id}: layers {format_layers(*spec.layers)}")
             self.start_worker(spec)
@@ -142,7 +170,8 @@ class LocalSwarm:
         self.wait_ready(timeout)
         if self.gateway_port:
             step(f"gateway on {self.gateway_url}")
-            self._spawn("gateway", ["gateway", "--nats", self.url, "--port", str(self.gateway_port), *self.gateway_extra])
+            self._spawn("gateway", ["gateway", "--nats", self.role_url("gateway"), "--port", str(self.gateway_port),
+                                    *self.gateway_extra])
             self.wait_gateway(timeout)
         return self
 

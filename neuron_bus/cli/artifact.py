@@ -213,6 +213,7 @@ def publish(
     manifest_path: Path = typer.Option(None, "--manifest", help="Publish with this manifest (files are checked against it)."),
     piece_size: int = typer.Option(1 << 20, help="Piece size when building the manifest."),
     nats_url: str = NatsOption,
+    node_id: str = typer.Option(None, "--node-id", help="Record the bytes seeded in the ledger (kind seeding) for this node."),
 ) -> None:
     """Seed a model into the JetStream Object Store: every piece, then the manifest."""
     from neuron_bus.artifacts.manifest import build_manifest, load_manifest
@@ -226,10 +227,26 @@ def publish(
                 m = build_manifest(files, piece_size=piece_size, progress=update)
         with _progress("publishing") as update:
             res = _run_nats(nats_url, lambda js: do_publish(js, files, m, progress=update))
+        if node_id:
+            _run_nats(nats_url, lambda js: _record_seeding(js, node_id, res))
     typer.echo(
         f"published {res.artifact_id}: {res.pieces_put} pieces sent ({res.bytes_put} bytes), "
         f"{res.pieces_present} already present"
     )
+
+
+async def _record_seeding(js, node_id: str, res) -> None:
+    """A seeding ledger entry: bytes put into the shard swarm (never counted as inference)."""
+    import time
+    import uuid
+
+    from neuron_bus import messages as M
+    from neuron_bus import subjects as S
+    from neuron_bus.flow import publish as js_publish
+
+    entry = M.LedgerEntry(entry_id=uuid.uuid4().hex, node_id=S.check_token(node_id, "node id"), kind="seeding",
+                          ts=time.time(), bytes_served=res.bytes_put, reward_weight=0.0)
+    await js_publish(js, S.ledger(node_id), M.encode(entry))
 
 
 @artifact_app.command()

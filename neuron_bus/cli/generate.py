@@ -20,16 +20,16 @@ from neuron_bus.models import DEFAULT_PRESET
 
 async def run_generation(
     url: str, prompt: str, *, chat: bool, sampling: M.SamplingParams, model: str, wire_dtype: str,
-    encoding: str, chunk_size: int, as_json: bool, out=sys.stdout,
+    encoding: str, chunk_size: int, as_json: bool, out=sys.stdout, policy: str = "public",
 ) -> dict:
     """Stream one generation: text to ``out``, a progress bar and tok/s to stderr."""
     err = Console(stderr=True)
     async with await NeuronClient.connect(url) as client:
-        route = await client.route(model, wire_dtype, encoding)
+        route = await client.route(model, wire_dtype, encoding, policy=policy)
         req = M.TokenizeRequest(messages=[{"role": "user", "content": prompt}]) if chat else M.TokenizeRequest(text=prompt)
         tok = await client.control(route.hops[0].node_id, req)
         tokens, text = [], []
-        finish = None
+        finish = session_id = None
         started = time.monotonic()
         first = None
         with Progress(
@@ -40,6 +40,7 @@ async def run_generation(
             task = bar.add_task("prefill", total=len(tok.tokens), rate="")
             async for ev in client.generate(
                 prompt_tokens=tok.tokens, route=route, sampling=sampling, model_preset=model, chunk_size=chunk_size,
+                policy=policy,
             ):
                 if isinstance(ev, M.GenerationTelemetry):
                     if ev.phase == "prefill":
@@ -49,6 +50,7 @@ async def run_generation(
                                    rate=f"{ev.rolling_tokens_per_second:.1f} tok/s")
                     continue
                 first = first or time.monotonic()
+                session_id = ev.session_id
                 tokens.append(ev.token_id)
                 text.append(ev.text)
                 finish = ev.finish_reason
@@ -59,7 +61,8 @@ async def run_generation(
         elapsed = time.monotonic() - started
     rate = (len(tokens) - 1) / (time.monotonic() - first) if first and len(tokens) > 1 else 0.0
     result = {
-        "route_id": route.route_id, "nodes": [h.node_id for h in route.hops],
+        "route_id": route.route_id, "nodes": [h.node_id for h in route.hops], "policy": route.policy,
+        "session_id": session_id, "trust_tiers": [h.trust_tier for h in route.hops],
         "prompt_tokens": tok.tokens, "tokens": tokens, "text": "".join(text), "finish_reason": finish,
         "decode_tokens_per_second": round(rate, 2), "elapsed_s": round(elapsed, 3),
     }
@@ -87,15 +90,18 @@ def generate(
     model: str = typer.Option(DEFAULT_PRESET, help="Model preset to route for."),
     chat: bool = typer.Option(False, help="Wrap the prompt in the model's chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print token ids and text as JSON."),
+    policy: str = typer.Option("public", help="Route policy: public | private (trusted nodes only) | paid-trusted."),
 ) -> None:
     """Stream a generation from a running bus."""
     if wire_dtype not in ("f32", "bf16"):
         fail("--wire-dtype must be f32 or bf16")
+    if policy not in ("public", "private", "paid-trusted"):
+        fail("--policy must be public, private or paid-trusted")
     sampling = M.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=stop)
     try:
         asyncio.run(run_generation(
             nats, prompt, chat=chat, sampling=sampling, model=model, wire_dtype=wire_dtype,
-            encoding="zstd" if zstd else "raw", chunk_size=chunk_size, as_json=as_json,
+            encoding="zstd" if zstd else "raw", chunk_size=chunk_size, as_json=as_json, policy=policy,
         ))
     except RouteError as exc:
         where = f" at node {exc.node_id}" if exc.node_id else ""

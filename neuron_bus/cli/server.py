@@ -14,9 +14,9 @@ from neuron_bus.natsserver import DEFAULT_MAX_PAYLOAD, NatsServer, ServerConfig
 from neuron_bus.topology import DEFAULT_PREFILL_WINDOW, connect, ensure_topology
 
 
-async def provision(url: str, replicas: int, prefill_window: int = DEFAULT_PREFILL_WINDOW) -> list[str]:
+async def provision(url: str, replicas: int, prefill_window: int = DEFAULT_PREFILL_WINDOW, **connect_opts) -> list[str]:
     """Create the streams and buckets on a running server; return their names."""
-    nc = await connect(url, name="neuron-bus-provision", max_reconnect_attempts=3)
+    nc = await connect(url, name="neuron-bus-provision", max_reconnect_attempts=3, **connect_opts)
     try:
         topo = await ensure_topology(nc.jetstream(), replicas=replicas, prefill_window=prefill_window, update=True)
     finally:
@@ -59,8 +59,29 @@ def server(
     provision_topology: bool = typer.Option(
         True, "--provision/--no-provision", help="Create the project's streams and buckets."
     ),
+    auth: Path = typer.Option(None, "--auth", help="Users and subject permissions (from `neuron-bus permissions`)."),
+    password_file: Path = typer.Option(
+        None, "--password-file", help="Role passwords (from `neuron-bus permissions`): the admin user provisions."
+    ),
+    tls_cert: Path = typer.Option(None, "--tls-cert", help="Serve TLS with this certificate (PEM)."),
+    tls_key: Path = typer.Option(None, "--tls-key", help="The certificate's private key (PEM)."),
+    tls_ca: Path = typer.Option(None, "--tls-ca", help="CA to verify the server with when provisioning (default: the cert)."),
 ) -> None:
     """Start the embedded nats-server with JetStream; stop cleanly on SIGINT/SIGTERM."""
+    from neuron_bus.trust.permissions import role_url, tls_block
+
+    extra, connect_opts = [], {}
+    if auth is not None:
+        if not auth.is_file():
+            fail(f"no such auth file: {auth}")
+        extra.append(auth.read_text())
+    if (tls_cert is None) != (tls_key is None):
+        fail("--tls-cert and --tls-key go together")
+    if tls_cert is not None:
+        import ssl
+
+        extra.append(tls_block(tls_cert, tls_key))
+        connect_opts["tls"] = ssl.create_default_context(cafile=str(tls_ca or tls_cert))
     cfg = ServerConfig(
         store_dir=store_dir.resolve(),
         host=host,
@@ -71,12 +92,20 @@ def server(
         cluster_name=cluster_name,
         cluster_port=cluster_port,
         routes=[r for r in routes.split(",") if r],
+        extra="\n".join(extra),
     )
+    url = cfg.client_url.replace("nats://", "tls://") if tls_cert else cfg.client_url
+    if auth is not None and provision_topology:
+        import json
+
+        if password_file is None or not password_file.is_file():
+            fail("with --auth, provisioning connects as admin: give --password-file (or --no-provision)")
+        url = role_url(url, "admin", json.loads(password_file.read_text())["admin"])
     srv = NatsServer(cfg)
     try:
         srv.start()
         # In a cluster, JetStream needs a quorum of peers before streams can be created.
-        names = asyncio.run(provision(srv.url, replicas, prefill_window)) if provision_topology else []
+        names = asyncio.run(provision(url, replicas, prefill_window, **connect_opts)) if provision_topology else []
     except ServerError as exc:
         srv.stop()
         fail(str(exc))

@@ -100,6 +100,7 @@ def worker(
     idle_timeout: float = typer.Option(300.0, help="Free sessions idle this long (seconds)."),
     max_decode_batch: int = typer.Option(8, help="Decode steps of different sessions run together."),
     slow_ms: float = typer.Option(0.0, hidden=True, help="Fault injection: delay every backend call."),
+    fault: str = typer.Option(None, hidden=True, help="Fault injection for audits: perturb (noise on every output)."),
     dtype: str = typer.Option("float32", help="torch backend compute dtype: float32 | bfloat16."),
     n_ctx: int = typer.Option(4608, help="llama-cpp: positions per session (prompt + generated)."),
     max_sessions: int = typer.Option(8, help="llama-cpp: concurrent sessions (KV slots) per worker."),
@@ -134,11 +135,19 @@ def worker(
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
     report = build_report(node_id, be, preset, revision, artifact_id, trust_tier, slow_ms)
+    from neuron_bus.trust import fault as faults
+    from neuron_bus.trust.work import owned_layer_work
+
+    try:
+        fault = faults.check(fault)
+        work = owned_layer_work(path, be.layer_start, be.layer_end, be.n_layers)
+    except (ArtifactError, ValueError) as exc:
+        fail(str(exc))
     if snapshot_every < 0:
         fail("--snapshot-every must be 0 (off) or positive")
     options = WorkerOptions(
         idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms,
-        snapshot_every=snapshot_every, snapshot_url=snapshot_nats,
+        snapshot_every=snapshot_every, snapshot_url=snapshot_nats, owned_layer_work=work, fault=fault,
     )
     try:
         asyncio.run(serve(nats, be, tok, report, options, metrics_port))

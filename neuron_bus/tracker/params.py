@@ -37,3 +37,5 @@ class TrackerParams:
     warmup: float = 1.5
     # How often the tracker pings live nodes to measure round trips (0: never).
     ping_interval: float = 5.0
+    # Fraction of sessions (validation events) sent to the auditor for replay (trust/sampler.py).
+    audit_rate: float = 0.1

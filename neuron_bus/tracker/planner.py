@@ -76,6 +76,11 @@ def _filters(req: RouteRequest) -> list[_Filter]:
         )
     out += [
         _Filter(
+            keep=lambda v: not v.flagged,
+            reason=lambda left: f"every live node of model {m} left is flagged by audits "
+            f"({', '.join(v.node_id for v in left)}): replays of their routes disagreed with the reference",
+        ),
+        _Filter(
             keep=lambda v: req.wire_dtype in v.caps.wire_dtypes,
             reason=lambda left: f"no live node of model {m} supports wire dtype {req.wire_dtype}",
         ),
@@ -252,6 +257,7 @@ def to_assignment(plan: Plan, req: RouteRequest, route_id: str, now: float) -> R
         wire_dtype=req.wire_dtype,
         encoding=req.encoding,
         created_at=now,
+        policy=req.policy,
     )
 
 

@@ -33,6 +33,7 @@ from neuron_bus.tracker.coverage import coverage_report
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.planner import Rejection, plan_route, to_assignment, to_rejection
 from neuron_bus.tracker.registry import Registry
+from neuron_bus.trust.sampler import TrackerTrust
 
 log = logging.getLogger("neuron_bus.tracker")
 
@@ -58,6 +59,7 @@ class TrackerService:
         self._tasks: set[asyncio.Task] = set()
         self._fetching: set[str] = set()
         self._started_at: float | None = None
+        self.trust = TrackerTrust(nc, params.audit_rate)  # replay sampling, audit flags
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -81,6 +83,7 @@ class TrackerService:
             await self.nc.subscribe(S.TRACKER_COVERAGE, queue=QUEUE_GROUP, cb=self._on_coverage),
         ]
         await self._load_reports()
+        await self.trust.start()
         await self.nc.flush()
         self._spawn(self._sweep_loop())
         if self.params.ping_interval > 0:
@@ -94,6 +97,7 @@ class TrackerService:
             except nats.errors.Error:
                 pass
         self._subs = []
+        await self.trust.stop()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -173,11 +177,11 @@ class TrackerService:
 
     async def route(self, req: RouteRequest) -> messages.RouteAssignment | RouteRejection:
         """Plan, publish and record a route, or say why not."""
-        result = plan_route(req, self.registry.views(_mono()), self.params)
+        result = plan_route(req, self.trust.mark(self.registry.views(_mono())), self.params)
         waited = _mono() - (self._started_at or 0.0)
         if isinstance(result, Rejection) and waited < self.params.warmup:
             await asyncio.sleep(self.params.warmup - waited)  # just (re)started: heartbeats are coming
-            result = plan_route(req, self.registry.views(_mono()), self.params)
+            result = plan_route(req, self.trust.mark(self.registry.views(_mono())), self.params)
         if isinstance(result, Rejection):
             log.info("route request %s rejected: %s", req.request_id, "; ".join(result.reasons))
             return to_rejection(result, req)

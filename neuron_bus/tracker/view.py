@@ -33,6 +33,7 @@ class NodeView:
     rtt: float | None = None  # tracker <-> node round trip over the bus, seconds
     neighbour_latency: dict[str, float] = field(default_factory=dict)  # node_id -> seconds
     consistent: bool = True  # the heartbeat agrees with the capability report
+    flagged: bool = False  # replays of its routes disagreed with the reference (KV neuron-flags): never routed
 
     @property
     def node_id(self) -> str:

@@ -37,6 +37,8 @@ from neuron_bus.errors import MalformedMessage, NeuronBusError, SessionMismatch
 from neuron_bus.flow import publish
 from neuron_bus.sampling import sample
 from neuron_bus.telemetry import GenerationProgress
+from neuron_bus.trust import fault as faults
+from neuron_bus.worker.audit_trail import AuditTrail
 from neuron_bus.worker.metrics import WorkerMetrics
 from neuron_bus.worker.session_table import HopSession, SessionTable
 from neuron_bus.worker.snapshots import SnapshotStore
@@ -57,6 +59,8 @@ class WorkerOptions:
     slow_ms: float = 0.0  # add this much delay per backend call (fault injection for tests)
     snapshot_every: int = 0  # write a KV snapshot whenever a decoding session crosses a multiple of this
     snapshot_url: str | None = None  # the cache server holding neuron-snapshots (None: the bus)
+    owned_layer_work: float = 0.0  # millions of weights multiplied per token (trust/work.py): the ledger's unit
+    fault: str | None = None  # fault injection for audit tests: "perturb" (trust/fault.py)
 
 
 class WorkerService:
@@ -73,6 +77,8 @@ class WorkerService:
         self.snapshots = SnapshotStore(
             nc, report, self.metrics, every=self.opts.snapshot_every, url=self.opts.snapshot_url
         )
+        self.trail = AuditTrail(self.js, report, self.opts.owned_layer_work)
+        self._fault_rng = np.random.default_rng()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"backend-{self.node_id}")
         self._decode_q: deque[Msg] = deque()
         self._prefill_q: deque[Msg] = deque()
@@ -244,6 +250,7 @@ class WorkerService:
         self.snapshots.forget(session_id)
         freed = await self._call(self.backend.cache_bytes, session_id)
         await self._call(self.backend.close_session, session_id)
+        await self.trail.close(s.open)
         if s.route.route_id not in self.sessions.routes():
             await self._unbind(s.route.route_id)
         self._update_gauges()
@@ -426,6 +433,7 @@ class WorkerService:
                 continue
             before = s.position
             s.position += x.shape[0]
+            self.trail.worked(s.session_id, phase, x.shape[0])
             s.seq += 1
             s.last_used = time.monotonic()
             try:
@@ -468,8 +476,11 @@ class WorkerService:
             fn = b.decode_step if phase == "decode" else b.prefill
             return [fn(s.session_id, h.position, x)]
 
+        def run_faulty():
+            return [faults.apply(self.opts.fault, out, self._fault_rng) for out in run()]
+
         started = time.monotonic()
-        outs = await self._call(run)
+        outs = await self._call(run_faulty if self.opts.fault else run)
         busy = time.monotonic() - started
         self.metrics.backend_calls.labels(phase).inc()
         n = sum(x.shape[0] for _, _, x in items)
@@ -501,6 +512,7 @@ class WorkerService:
         params = s.open.sampling
         index = len(s.generated)
         pick = sample(logits, params, index, TOP_LOGPROBS if params.logprobs else 0)
+        self.trail.observe(s.session_id, index, logits)
         s.generated.append(pick.token_id)
         s.progress.token()
         text = s.decoder.push(pick.token_id)
@@ -536,6 +548,7 @@ class WorkerService:
                 await self._telemetry(s)
         else:
             s.finished = True
+            await self.trail.validation(s.open, s.generated, finish)
             s.progress.finish("done")
             await self._telemetry(s)
 

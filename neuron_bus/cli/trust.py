@@ -1,0 +1,100 @@
+"""`neuron-bus permissions`, `neuron-bus auditor` and `neuron-bus ledger`: the trust commands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from pathlib import Path
+
+import typer
+from nats import errors as nats_errors
+
+from neuron_bus.cli.app import NatsOption, app, fail
+from neuron_bus.topology import connect
+
+
+@app.command()
+def permissions(
+    out: Path = typer.Option(Path("nats-auth.conf"), "--out", help="Server config include to write (authorization block)."),
+    password_file: Path = typer.Option(
+        Path("nats-passwords.json"), "--password-file", help="Role -> password (JSON, mode 0600); created or completed."
+    ),
+) -> None:
+    """NATS users per role (worker, tracker, auditor, client, gateway, observer, admin) with subject permissions."""
+    from neuron_bus.trust.permissions import ROLES, load_or_create_passwords, render
+
+    passwords = load_or_create_passwords(password_file)
+    out.write_text(render({r: passwords[r] for r in ROLES}))
+    out.chmod(0o600)
+    typer.echo(f"wrote {out} ({len(ROLES)} users: {', '.join(ROLES)}); passwords in {password_file}")
+    typer.echo(f"start the bus with: neuron-bus server --auth {out} --password-file {password_file}")
+    typer.echo("connect as a role with: --nats nats://<role>:<password>@host:4222")
+
+
+@app.command()
+def auditor(
+    nats: str = NatsOption,
+    model: str = typer.Option(None, help="Reference GGUF path or preset (default: each event's model preset)."),
+    threads: int = typer.Option(1, help="Threads for the reference model."),
+    threshold: int = typer.Option(2, min=1, help="Disagreeing replays pinned on a node before it is flagged."),
+) -> None:
+    """Replay the sessions the tracker samples (`tracker --audit-rate`) and flag nodes whose replays disagree."""
+    from neuron_bus.trust.auditor import Auditor
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        nc = await connect(nats, name="neuron-bus-auditor")
+        service = Auditor(nc, model=model, threads=threads, threshold=threshold)
+        try:
+            await service.start()
+            typer.echo(f"auditor ready on {nats}", err=False)
+            await stop.wait()
+        finally:
+            await service.stop()
+            await nc.drain()
+
+    try:
+        asyncio.run(serve())
+    except (OSError, nats_errors.Error) as exc:
+        fail(f"cannot reach NATS at {nats}: {exc}")
+
+
+@app.command()
+def ledger(
+    nats: str = NatsOption,
+    as_json: bool = typer.Option(False, "--json", help="Print per-node totals as JSON."),
+) -> None:
+    """Reward weights per node: inference (owned layer work × tokens) and, separately, seeding."""
+    from neuron_bus.trust.ledger import read_ledger, totals
+
+    async def read():
+        nc = await connect(nats, name="neuron-bus-ledger", max_reconnect_attempts=1)
+        try:
+            return await read_ledger(nc.jetstream())
+        finally:
+            await nc.close()
+
+    try:
+        rows = totals(asyncio.run(read()))
+    except (OSError, nats_errors.Error) as exc:
+        fail(f"cannot read the ledger at {nats}: {exc}")
+    if as_json:
+        typer.echo(json.dumps({n: t.as_dict() for n, t in rows.items()}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="reward ledger (inference weight = owned layer work × (prefill + decode tokens))", title_justify="left")
+    for col in ("node", "inference weight", "sessions", "prefill tokens", "decode tokens", "seeding bytes"):
+        table.add_column(col)
+    for t in rows.values():
+        table.add_row(t.node_id, f"{t.inference_weight:.1f}", str(t.sessions), str(t.prefill_tokens), str(t.decode_tokens),
+                      str(t.seeding_bytes))
+    Console().print(table)

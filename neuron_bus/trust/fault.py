@@ -1,0 +1,25 @@
+"""Deliberate faults, for testing that audits catch them (``neuron-bus worker --fault perturb``).
+
+``perturb`` adds Gaussian noise of half the output's own standard deviation to every activation
+(or, at the tail, every logit) a node emits: the node stays fast and healthy-looking while its
+route's output drifts away from the model's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+FAULTS = ("perturb",)
+
+
+def check(fault: str | None) -> str | None:
+    if fault not in (None, "", *FAULTS):
+        raise ValueError(f"unknown fault {fault!r}: use one of {', '.join(FAULTS)}")
+    return fault or None
+
+
+def apply(fault: str | None, out: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    if fault != "perturb":
+        return out
+    scale = 0.5 * float(np.std(out)) or 1.0
+    return (out + rng.normal(0.0, scale, size=out.shape)).astype(out.dtype, copy=False)

@@ -1,0 +1,108 @@
+"""The tracker's side of audits: sample sessions for replay, and follow the flags.
+
+- Every validation event (``neuron.validation.>``) is sampled with probability ``audit_rate``,
+  decided by a hash of the session id (so several trackers sample the same sessions); a sampled
+  session becomes an `AuditRequest` on ``neuron.audit.request`` (stream NEURON_AUDIT), which an
+  auditor (``neuron-bus auditor``) replays.
+- KV ``neuron-flags`` is read every ``poll`` seconds; `mark` sets ``flagged`` on the node views
+  the planner sees, and the planner never routes a flagged node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import time
+
+import nats
+import nats.js.errors as jserr
+
+from neuron_bus import messages as M
+from neuron_bus import subjects as S
+from neuron_bus.errors import MalformedMessage
+
+log = logging.getLogger("neuron_bus.tracker.audit")
+
+
+def sampled(session_id: str, rate: float) -> bool:
+    if rate <= 0.0:
+        return False
+    if rate >= 1.0:
+        return True
+    h = int.from_bytes(hashlib.sha256(session_id.encode()).digest()[:8], "big")
+    return h / 2**64 < rate
+
+
+class TrackerTrust:
+    def __init__(self, nc: nats.NATS, audit_rate: float, poll: float = 1.0):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.audit_rate = audit_rate
+        self.poll = poll
+        self.flagged: dict[str, str] = {}  # node id -> reason
+        self._sub = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        if self.audit_rate > 0:
+            self._sub = await self.nc.subscribe(S.VALIDATION_ALL, cb=self._on_event)
+        await self._read_flags()
+        self._task = asyncio.create_task(self._flag_loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    async def _on_event(self, msg) -> None:
+        try:
+            event = M.decode(msg.data, M.ValidationEvent)
+        except MalformedMessage as exc:
+            log.warning("ignored a validation event on %s: %s", msg.subject, exc)
+            return
+        if not sampled(event.session_id, self.audit_rate):
+            return
+        req = M.AuditRequest(session_id=event.session_id, event_id=event.event_id, requested_at=time.time())
+        try:
+            await self.js.publish(S.AUDIT_REQUEST, M.encode(req))
+            log.info("session %s sampled for replay", event.session_id)
+        except (nats.errors.Error, jserr.Error) as exc:
+            log.warning("could not request a replay of %s: %s", event.session_id, exc)
+
+    async def _read_flags(self) -> None:
+        try:
+            kv = await self.js.key_value(S.KV_FLAGS)
+            keys = await kv.keys()
+        except jserr.NoKeysError:
+            self.flagged = {}
+            return
+        except (jserr.Error, nats.errors.Error) as exc:
+            log.debug("flags not readable: %s", exc)
+            return
+        flagged = {}
+        for key in keys:
+            try:
+                rec = M.decode((await kv.get(key)).value, M.NodeTrust)
+            except (jserr.KeyNotFoundError, MalformedMessage):
+                continue
+            if rec.flagged:
+                flagged[rec.node_id] = rec.reason
+        for node in flagged.keys() - self.flagged.keys():
+            log.warning("node %s is flagged by audits and excluded from routes: %s", node, flagged[node])
+        self.flagged = flagged
+
+    async def _flag_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll)
+            await self._read_flags()
+
+    def mark(self, views: list) -> list:
+        """The planner's node views with ``flagged`` set on nodes audits flagged."""
+        return [dataclasses.replace(v, flagged=True) if v.node_id in self.flagged else v for v in views]
