@@ -122,7 +122,7 @@ class Bus:
                            type="service_unavailable", param="model", code="no_route")
         req.model = model
         try:
-            route = await self.client.route(model)
+            route = await self.client.route(model, policy=req.policy)
             tokens = req.prompt_tokens
             if tokens is None:
                 tokenize = M.TokenizeRequest(text=req.prompt, messages=req.messages)
@@ -145,7 +145,7 @@ class Bus:
         self.metrics.tokens.labels("prompt").inc(len(p.prompt_tokens))
         gen = self.client.generate(
             prompt_tokens=p.prompt_tokens, route=p.route, sampling=p.req.sampling, model_preset=p.req.model,
-            chunk_size=self.chunk_size,
+            chunk_size=self.chunk_size, policy=p.req.policy,
         )
         seen: set[tuple] = set()  # the client yields its own telemetry and hears it again on the bus
         try:

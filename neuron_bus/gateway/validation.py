@@ -62,6 +62,7 @@ class GenRequest:
     include_usage: bool = False
     top_logprobs: int = 0  # alternatives per token in the answer (0: none)
     extra: dict = field(default_factory=dict)
+    policy: str = "public"  # route policy: public | private (trusted nodes only) | paid-trusted
 
 
 def parse_json(raw: bytes) -> dict:
@@ -179,6 +180,7 @@ def completion_request(body: dict, limits: Limits) -> GenRequest:
         model=model, prompt=prompt, prompt_tokens=tokens,
         sampling=sampling(body, limits, 16, logprobs=n_top is not None),
         stream=get(body, "stream", bool, False), include_usage=_include_usage(body), top_logprobs=n_top or 0,
+        policy=_policy(body),
     )
 
 
@@ -191,6 +193,7 @@ def chat_request(body: dict, limits: Limits) -> GenRequest:
     return GenRequest(
         model=model, messages=messages, sampling=sampling(body, limits, 256, logprobs=logprobs or n_top > 0),
         stream=get(body, "stream", bool, False), include_usage=_include_usage(body), top_logprobs=n_top,
+        policy=_policy(body),
     )
 
 
@@ -205,7 +208,16 @@ def ws_request(body: dict, limits: Limits) -> GenRequest:
     return GenRequest(
         model=model, prompt=prompt, messages=messages, prompt_tokens=tokens,
         sampling=sampling(body, limits, 256, logprobs=logprobs), top_logprobs=TOP_LOGPROBS_MAX if logprobs else 0,
+        policy=_policy(body),
     )
+
+
+def _policy(body: dict) -> str:
+    policy = get(body, "policy", str, "public")
+    if policy not in ("public", "private", "paid-trusted"):
+        raise ApiError(400, f"policy must be public, private or paid-trusted, got {policy!r}", param="policy",
+                       code="invalid_policy")
+    return policy
 
 
 def _include_usage(body: dict) -> bool:
