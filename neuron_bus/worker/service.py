@@ -40,6 +40,7 @@ from neuron_bus.telemetry import GenerationProgress
 from neuron_bus.trust import fault as faults
 from neuron_bus.worker.audit_trail import AuditTrail
 from neuron_bus.worker.metrics import WorkerMetrics
+from neuron_bus.worker.node_telemetry import NodeTelemetry, neighbours
 from neuron_bus.worker.session_table import HopSession, SessionTable
 from neuron_bus.worker.snapshots import SnapshotStore
 
@@ -74,6 +75,8 @@ class WorkerService:
         self.opts = options or WorkerOptions()
         self.metrics = WorkerMetrics(self.node_id)
         self.sessions = SessionTable()
+        self.node_telemetry = NodeTelemetry(self.node_id)
+        self._latency_probe: asyncio.Task | None = None
         self.snapshots = SnapshotStore(
             nc, report, self.metrics, every=self.opts.snapshot_every, url=self.opts.snapshot_url
         )
@@ -243,10 +246,11 @@ class WorkerService:
             position=position, snapshot=snapshot,
         )
 
-    async def _close(self, session_id: str) -> int:
+    async def _close(self, session_id: str, failed: bool = False) -> int:
         s = self.sessions.pop(session_id)
         if s is None:
             return 0
+        self.node_telemetry.session_ended(failed)
         self.snapshots.forget(session_id)
         freed = await self._call(self.backend.cache_bytes, session_id)
         await self._call(self.backend.close_session, session_id)
@@ -565,7 +569,7 @@ class WorkerService:
         if s.progress:
             s.progress.fail(f"{code}: {message}", s.phase, self.node_id)
             await self._telemetry(s)
-        await self._close(s.session_id)
+        await self._close(s.session_id, failed=True)
 
     # ------------------------------------------------------------------ heartbeats, reaping
 
@@ -595,9 +599,17 @@ class WorkerService:
             prefill_tokens_per_second=self._measured_tps("prefill"),
             decode_tokens_per_second=self._measured_tps("decode"),
             memory_pressure=psutil.virtual_memory().percent / 100.0,
+            disk_read_bytes_per_second=self.node_telemetry.disk_read_rate(),
+            neighbour_latency_ms=dict(self.node_telemetry.latency_ms),
+            route_failure_rate=self.node_telemetry.failure_rate(),
             cache_warmth=min(1.0, len(self.sessions) / 8.0),
         )
         await self.nc.publish(S.node_heartbeat(self.node_id), M.encode(hb))
+        if self._latency_probe is None or self._latency_probe.done():  # pings run beside the heartbeats
+            routes = {s.route.route_id: s.route for s in self.sessions}
+            self._latency_probe = asyncio.create_task(
+                self.node_telemetry.refresh_latency(self.nc, neighbours(self.node_id, list(routes.values())))
+            )
 
     async def _heartbeat_loop(self) -> None:
         while True:
