@@ -47,20 +47,17 @@ async def publish(
         try:
             await js.publish(subject, body, headers=headers)
             return waits
-        except (NatsTimeout, NoRespondersError, NoStreamResponseError, ServiceUnavailableError,
-                ConnectionReconnectingError, asyncio.TimeoutError) as exc:
-            if time.monotonic() > deadline:
-                raise NeuronBusError("bus_unavailable", f"{subject}: no stream answered for {max_wait:.0f}s") from exc
-            waits += 1
-            await asyncio.sleep(0.1)
-            continue
-        except APIError as exc:
-            if not _is_full(exc):
+        except (APIError, NoStreamResponseError, NatsTimeout, NoRespondersError, ConnectionReconnectingError,
+                asyncio.TimeoutError) as exc:
+            full = isinstance(exc, APIError) and _is_full(exc)  # the server answers a full subject with 503
+            if not full and isinstance(exc, APIError) and not isinstance(exc, ServiceUnavailableError):
                 raise
             if time.monotonic() > deadline:
-                raise NeuronBusError("backpressure_timeout", f"{subject} stayed full for {max_wait:.0f}s") from exc
+                what = f"{subject} stayed full" if full else f"{subject}: no stream answered"
+                raise NeuronBusError("backpressure_timeout" if full else "bus_unavailable", f"{what} for {max_wait:.0f}s") from exc
             waits += 1
             if on_wait:
                 on_wait(waits)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            await asyncio.sleep(delay if full else 0.1)
+            if full:
+                delay = min(delay * 2, 0.1)
