@@ -35,8 +35,26 @@ class Struct(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 # Nodes
 
 
-class CapabilityReport(Struct):
-    """What a worker can do, announced at start and kept in the ``neuron-nodes`` KV bucket."""
+class BackendCapability(Struct):
+    """What an execution backend reports about itself (seed challenge 7); throughputs are
+    measured by a short self-benchmark when the backend starts."""
+
+    model_arch: str
+    supported_runtime: str
+    supports_prefill: bool
+    supports_decode_step: bool
+    supports_layer_range: bool
+    supports_partial_artifacts: bool
+    cache_abi: str
+    cache_bytes_per_token_estimate: int
+    prefill_tokens_per_second: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    active_memory_floor: int = 0
+
+
+class CapabilityReport(BackendCapability, kw_only=True):
+    """What a worker can do, announced at start and kept in the ``neuron-nodes`` KV bucket:
+    its backend's capability plus the node, model and range it serves."""
 
     node_id: str
     model_preset: str
@@ -47,17 +65,6 @@ class CapabilityReport(Struct):
     layer_end: int
     n_layers_total: int
     hidden_size: int
-    model_arch: str
-    supported_runtime: str
-    supports_prefill: bool
-    supports_decode_step: bool
-    supports_layer_range: bool
-    supports_partial_artifacts: bool
-    cache_abi: str
-    cache_bytes_per_token_estimate: int
-    prefill_tokens_per_second: float
-    decode_tokens_per_second: float
-    active_memory_floor: int
     wire_dtypes: list[WireDtype] = msgspec.field(default_factory=lambda: ["f32", "bf16"])
     trust_tier: TrustTier = "untrusted"
     started_at: float = 0.0

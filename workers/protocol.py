@@ -19,36 +19,17 @@ from __future__ import annotations
 
 import abc
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from neuron_bus.messages import BackendCapability as Capability  # msgspec only: no bus code
 from workers.errors import (
     BadInput,
     PositionGap,
     SessionExists,
     UnknownSession,
 )
-
-
-@dataclass
-class Capability:
-    """What a backend reports about itself (the node adds node_id, artifact and trust fields)."""
-
-    model_arch: str
-    supported_runtime: str
-    supports_prefill: bool
-    supports_decode_step: bool
-    supports_layer_range: bool
-    supports_partial_artifacts: bool
-    cache_abi: str
-    cache_bytes_per_token_estimate: int
-    prefill_tokens_per_second: float = 0.0
-    decode_tokens_per_second: float = 0.0
-    active_memory_floor: int = 0
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import socket
 import time
 import uuid
 
+import msgspec
 import typer
 
 from neuron_bus import messages as M
@@ -28,7 +29,7 @@ def slowed(tokens_per_second: float, positions_per_call: int, slow_ms: float) ->
 def build_report(
     node_id: str, backend, preset: str, revision: str, artifact_id: str, trust_tier: str, slow_ms: float = 0.0
 ) -> M.CapabilityReport:
-    cap = backend.capability.as_dict()
+    cap = msgspec.structs.asdict(backend.capability)
     cap["prefill_tokens_per_second"] = slowed(cap["prefill_tokens_per_second"], 256, slow_ms)
     cap["decode_tokens_per_second"] = slowed(cap["decode_tokens_per_second"], 1, slow_ms)
     return M.CapabilityReport(
