@@ -57,8 +57,8 @@ def test_server_command_starts_jetstream_on_loopback_and_stops_on_sigterm(tmp_pa
         streams, kv, obj = asyncio.run(_names(f"nats://127.0.0.1:{port}"))
         for name in (S.STREAM_PREFILL, S.STREAM_DECODE, S.STREAM_TELEMETRY, S.STREAM_ROUTES, S.STREAM_TOKENS):
             assert name in streams
-        assert kv == {S.KV_NODES, S.KV_ROUTES}
-        assert obj == {S.OBJ_ARTIFACTS, S.OBJ_SNAPSHOTS}
+        assert kv == {k.bucket for k in topology().kv} >= {S.KV_NODES, S.KV_ROUTES}
+        assert obj == {o.bucket for o in topology().objects} == {S.OBJ_ARTIFACTS, S.OBJ_SNAPSHOTS}
         # Bound to loopback only: the monitoring endpoint reports the listen host.
         conf = (tmp_path / "js" / "nats-server.conf").read_text()
         assert 'host: "127.0.0.1"' in conf
