@@ -11,33 +11,18 @@ The client is only in the loop for the prompt: decode runs as a ring (tail -> ho
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import numpy as np
 
-from neuron_bus import codec
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
-from neuron_bus.errors import NeuronBusError
-from neuron_bus.flow import publish
+from neuron_bus.errors import RouteError
+from neuron_bus.generation import PREFILL_RETRIES, STALL_TIMEOUT_S, GenerationRun  # noqa: F401  (re-exported)
 from neuron_bus.models import DEFAULT_PRESET
-from neuron_bus.repair import repair as repair_route
-from neuron_bus.routes import hop_header
-from neuron_bus.telemetry import GenerationProgress
 from neuron_bus.topology import connect
-
-
-class RouteError(NeuronBusError):
-    """A generation that could not run or did not finish: carries the phase, node and reason."""
-
-    def __init__(self, reason: str, message: str, phase: str = "queued", node_id: str | None = None):
-        super().__init__(reason, message)
-        self.phase = phase
-        self.node_id = node_id
 
 
 @dataclass
@@ -57,13 +42,6 @@ class Generation:
 
 
 CONTROL_TIMEOUT_S = 30.0
-STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route is considered dead
-PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
-MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
-AVOID_LOST_S = 8.0  # how long a new route must avoid the nodes that were lost (the tracker expires them)
-RETRYABLE = {"node_lost", "node_unreachable", "prefill_failed", "stalled", "backend_error", "route_failed", "unknown_session"}
-HEARTBEAT_LOSS_S = 3.0  # a route node silent this long (workers heartbeat every second) is lost
-LIVENESS_CHECK_S = 0.5
 
 
 class NeuronClient:
@@ -148,220 +126,14 @@ class NeuronClient:
         replacement and snapshot exist (``repair``, see repair.py), otherwise the session fails.
         ``policy`` (public, private, paid-trusted) is asked of the tracker for every route it plans.
         """
-        sampling = sampling or M.SamplingParams()
-        session_id = uuid.uuid4().hex
-        events: asyncio.Queue = asyncio.Queue()
-
-        def into_queue(kind: str):
-            async def cb(msg) -> None:
-                events.put_nowait((kind, msg.data))
-
-            return cb
-
-        subs = [
-            await self.nc.subscribe(S.session_tokens(session_id), cb=into_queue("token")),
-            await self.nc.subscribe(S.session_error(session_id), cb=into_queue("error")),
-            await self.nc.subscribe(S.telemetry(session_id), cb=into_queue("telemetry")),
-        ]
-        progress = GenerationProgress(session_id, "", model_preset, [], 0)
-        opened: list[str] = []
-        sender: asyncio.Task | None = None
-        watcher: asyncio.Task | None = None
-        route_obj = route
-        generated: list[int] = []  # token ids received, in order
-        lost: set[str] = set()
-        retries = repairs = 0
-        need_start = True
-        try:
-            await self._publish_progress(progress)  # comes back through the subscription
-            while True:
-                try:
-                    if need_start:
-                        if route_obj is None:
-                            route_obj = await self._route_avoiding(lost, model_preset, wire_dtype, encoding, policy)
-                        progress.route_id = route_obj.route_id
-                        progress.nodes = [h.node_id for h in route_obj.hops]
-                        progress.finish("loading")
-                        watcher = await self._watch_nodes(progress.nodes, events, subs)
-                        await self._publish_progress(progress)  # comes back through the subscription
-                        head = route_obj.hops[0].node_id
-                        if prompt_tokens is None:
-                            tok = await self.control(head, M.TokenizeRequest(text=prompt, messages=messages))
-                            prompt_tokens = tok.tokens
-                        if not prompt_tokens:
-                            raise RouteError("empty_prompt", "the prompt has no tokens")
-                        progress.prefill_total = len(prompt_tokens)
-                        n_ctx = len(prompt_tokens) + sampling.max_tokens
-                        for i, hop in enumerate(route_obj.hops):
-                            await self.control(
-                                hop.node_id,
-                                M.SessionOpen(
-                                    session_id=session_id, route=route_obj, hop_index=i, prompt_tokens=len(prompt_tokens),
-                                    n_ctx=n_ctx, chunk_size=chunk_size, sampling=sampling,
-                                    prompt=list(prompt_tokens) if i == len(route_obj.hops) - 1 else None,  # validation event
-                                ),
-                            )
-                            opened.append(hop.node_id)
-                        progress.prefill(0)
-                        await self._publish_progress(progress)  # comes back through the subscription
-                        sender = asyncio.create_task(self._send_prompt(route_obj, session_id, prompt_tokens, chunk_size))
-                        need_start = False
-                    async for event in self._events(events, sender, progress):
-                        if isinstance(event, M.TokenDelta):
-                            if event.index < len(generated):
-                                continue  # a repaired route re-sent a token already delivered
-                            generated.append(event.token_id)
-                        yield event
-                        if isinstance(event, M.TokenDelta) and event.finished:
-                            return
-                except RouteError as exc:
-                    if not generated:  # before the first token: retry from scratch on a new route
-                        if exc.reason not in RETRYABLE or retries >= prefill_retries:
-                            raise
-                        retries += 1
-                        if exc.node_id:
-                            lost.add(exc.node_id)
-                        for task in (sender, watcher):
-                            if task:
-                                task.cancel()
-                        await self._close_sessions(session_id, route_obj, opened)
-                        opened.clear()
-                        while not events.empty():
-                            events.get_nowait()
-                        route_obj, need_start = None, True
-                        continue
-                    if not (repair and exc.reason == "node_lost" and exc.node_id and repairs < MAX_REPAIRS):
-                        raise
-                    repairs += 1
-                    lost.add(exc.node_id)
-                    spec = M.SessionOpen(
-                        session_id=session_id, route=route_obj, hop_index=0, prompt_tokens=len(prompt_tokens),
-                        n_ctx=len(prompt_tokens) + sampling.max_tokens, chunk_size=chunk_size, sampling=sampling,
-                        prompt=list(prompt_tokens),
-                    )
-                    try:
-                        route_obj, start, node = await repair_route(self, route_obj, exc.node_id, spec, list(generated), repairs, lost)
-                    except RouteError as failed:
-                        raise RouteError(
-                            exc.reason, f"{exc}; route repair failed ({failed.reason}): {failed}", exc.phase, exc.node_id
-                        ) from None
-                    opened[:] = [n for n in opened if n != exc.node_id] + [node.node_id]
-                    watcher.cancel()
-                    progress.route_id = route_obj.route_id
-                    progress.nodes = [h.node_id for h in route_obj.hops]
-                    watcher = await self._watch_nodes(progress.nodes, events, subs)
-                    sender = asyncio.create_task(
-                        self._send_prompt(route_obj, session_id, prompt_tokens + generated, chunk_size, start=start)
-                    )
-        except RouteError as exc:
-            if exc.phase == "queued":  # raised outside the event loop (route, tokenize, open): the client's phase
-                exc.phase = progress.phase
-            where = f" at node {exc.node_id}" if exc.node_id else ""
-            progress.fail(f"{exc.reason} in phase {exc.phase}{where}: {exc}", exc.phase, exc.node_id)
-            await self._publish_progress(progress)
-            raise
-        finally:
-            for task in (sender, watcher):
-                if task:
-                    task.cancel()
-            for sub in subs:
-                await sub.unsubscribe()
-            await self._close_sessions(session_id, route_obj, opened)
-
-    async def _close_sessions(self, session_id: str, route: M.RouteAssignment | None, nodes: list[str]) -> None:
-        for node in nodes:
-            try:
-                await self.control(node, M.SessionClose(session_id=session_id, route_id=route.route_id), timeout=5)
-            except RouteError:
-                pass  # the node is gone; its cache went with it
-
-    async def _route_avoiding(
-        self, lost: set[str], model_preset: str, wire_dtype: str, encoding: str, policy: str = "public"
-    ) -> M.RouteAssignment:
-        """A route without the nodes lost so far, while the tracker may still list them (then any)."""
-        deadline = time.monotonic() + AVOID_LOST_S
-        while True:
-            route = await self.route(model_preset, wire_dtype, encoding, policy=policy)
-            if not lost & {h.node_id for h in route.hops} or time.monotonic() > deadline:
-                return route
-            await asyncio.sleep(0.5)
-
-    async def _watch_nodes(self, nodes: list[str], events: asyncio.Queue, subs: list) -> asyncio.Task:
-        """Follow the route nodes' heartbeats; queue ("lost", node) when one falls silent."""
-        seen = {node: time.monotonic() for node in nodes}
-
-        def beat(node: str):
-            async def cb(msg) -> None:
-                seen[node] = time.monotonic()
-
-            return cb
-
-        for node in seen:
-            subs.append(await self.nc.subscribe(S.node_heartbeat(node), cb=beat(node)))
-
-        async def watch() -> None:
-            while True:
-                await asyncio.sleep(LIVENESS_CHECK_S)
-                now = time.monotonic()
-                for node, at in seen.items():
-                    if now - at > HEARTBEAT_LOSS_S:
-                        events.put_nowait(("lost", (node, now - at)))
-                        return
-
-        return asyncio.create_task(watch())
-
-    async def _events(self, events: asyncio.Queue, sender: asyncio.Task, progress: GenerationProgress):
-        last_phase = "prefill"
-        while True:
-            if sender.done() and sender.exception():
-                exc = sender.exception()
-                raise RouteError("prefill_failed", f"sending the prompt failed: {exc}", phase="prefill")
-            try:
-                kind, data = await asyncio.wait_for(events.get(), STALL_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                raise RouteError(
-                    "stalled", f"no progress from route {progress.route_id} for {STALL_TIMEOUT_S:.0f}s", phase=last_phase
-                ) from None
-            if kind == "lost":
-                node, silent = data
-                raise RouteError(
-                    "node_lost", f"node {node} sent no heartbeat for {silent:.1f}s", phase=last_phase, node_id=node
-                )
-            if kind == "error":
-                err = M.decode(data, M.SessionError)
-                if err.fatal:
-                    raise RouteError(err.code, err.message, phase=err.phase, node_id=err.node_id)
-                continue  # a rejected stray message; the session goes on
-            if kind == "telemetry":
-                t = M.decode(data, M.GenerationTelemetry)
-                if t.phase == "failed":
-                    raise RouteError(
-                        "route_failed", t.failure_reason or "route failed",
-                        phase=t.failure_phase or last_phase, node_id=t.failure_node,
-                    )
-                last_phase = t.phase
-                yield t
-                continue
-            delta = M.decode(data, M.TokenDelta)
-            last_phase = "decode"
-            yield delta
-
-    async def _send_prompt(
-        self, route: M.RouteAssignment, session_id: str, tokens: list[int], chunk_size: int, start: int = 0
-    ) -> None:
-        """Send positions [start, len(tokens)) to hop 0 in chunks (the prompt, or a repair's replay)."""
-        ids = np.asarray(tokens, dtype=np.int32)
-        subject = S.hop_input(route.route_id, 0, "prefill")
-        for seq, lo in enumerate(range(start, len(ids), chunk_size)):
-            chunk = ids[lo : lo + chunk_size]
-            header = hop_header(route, 0, session_id, lo, "prefill", seq, "i32")
-            headers, body = codec.encode(header, chunk)
-            await publish(self.js, subject, body, headers)
-
-    async def _publish_progress(self, progress: GenerationProgress) -> M.GenerationTelemetry:
-        snap = progress.snapshot()
-        await self.js.publish(progress.subject, M.encode(snap))
-        return snap
+        run = GenerationRun(
+            self, sampling=sampling or M.SamplingParams(), model_preset=model_preset, wire_dtype=wire_dtype,
+            encoding=encoding, chunk_size=chunk_size, policy=policy, route=route,
+            prompt=prompt, messages=messages, prompt_tokens=prompt_tokens,
+            prefill_retries=prefill_retries, repair=repair,
+        )
+        async for event in run.events():
+            yield event
 
     async def complete(
         self,

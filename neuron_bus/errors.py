@@ -26,3 +26,12 @@ class SessionMismatch(NeuronBusError):
 
 class ServerError(NeuronBusError):
     """The embedded nats-server could not be started or did not become ready."""
+
+
+class RouteError(NeuronBusError):
+    """A generation that could not run or did not finish: carries the phase, node and reason."""
+
+    def __init__(self, reason: str, message: str, phase: str = "queued", node_id: str | None = None):
+        super().__init__(reason, message)
+        self.phase = phase
+        self.node_id = node_id

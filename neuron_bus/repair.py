@@ -70,7 +70,7 @@ async def repair(
 
     ``session`` is hop 0's open request (the session's prompt size, n_ctx, chunking, sampling).
     """
-    from neuron_bus.client import RouteError
+    from neuron_bus.errors import RouteError
 
     def fail(reason: str, message: str, node: str | None = dead) -> RouteError:
         return RouteError(reason, message, phase="decode", node_id=node)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from neuron_bus import models
@@ -54,3 +55,30 @@ def tiny_gguf(tmp_path_factory) -> Path:
     from tests.gguf_factory import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def reference(smollm2_path):
+    """Greedy tokens from the single-process full-model llama.cpp backend."""
+    from workers.llama_cpp_full import LlamaCppFullBackend
+    from workers.tokenizer import Tokenizer
+
+    tok = Tokenizer(smollm2_path)
+    backend = LlamaCppFullBackend(smollm2_path, n_threads=1, n_ctx=4608, max_sessions=1)
+
+    def greedy(prompt_ids: list[int], n: int) -> list[int]:
+        backend.open_session("ref", len(prompt_ids) + n)
+        try:
+            logits = backend.prefill("ref", 0, np.asarray(prompt_ids, dtype=np.int32))
+            out = []
+            for i in range(n):
+                t = int(np.argmax(logits))
+                out.append(t)
+                logits = backend.decode_step("ref", len(prompt_ids) + i, np.array([t], dtype=np.int32))
+            return out
+        finally:
+            backend.close_session("ref")
+
+    greedy.tokenizer = tok
+    yield greedy
+    backend.close()

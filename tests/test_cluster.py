@@ -11,7 +11,6 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.client import NeuronClient
 from neuron_bus.local_swarm import LocalSwarm
-from tests.test_route_sessions import reference  # noqa: F401  (fixture: full-model greedy tokens)
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from workers.errors import BadInput, PositionGap, SessionExists, UnknownSession, UnsupportedModel
-from workers.llama_cpp_common import LlamaCppError, LlamaCppModel, NoFreeSlot
+from workers.llama_cpp_common import LlamaCppError, NoFreeSlot
 from workers.llama_cpp_full import LlamaCppFullBackend
 from workers.llama_cpp_range import LlamaCppRangeBackend
 from workers.registry import open_backend

@@ -13,7 +13,6 @@ from neuron_bus import messages as M
 from neuron_bus.client import NeuronClient, RouteError
 from neuron_bus.local_swarm import LocalSwarm, WorkerSpec
 from neuron_bus.natsserver import NatsServer, ServerConfig, free_port
-from tests.test_route_sessions import reference  # noqa: F401  (fixture: full-model greedy tokens)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -242,7 +241,6 @@ def test_restore_refuses_missing_or_incompatible_snapshots(swarm, cache_server):
 
 
 def msgspec_dict(struct) -> dict:
-    import msgspec
 
     return {f: getattr(struct, f) for f in struct.__struct_fields__}
 

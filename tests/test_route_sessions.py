@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 import time
 import urllib.request
 
@@ -57,33 +56,6 @@ def run(coro):
 async def complete(url: str, **kw) -> "object":
     async with await NeuronClient.connect(url) as c:
         return await c.complete(**kw)
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2_path):
-    """Greedy tokens from the single-process full-model llama.cpp backend."""
-    from workers.llama_cpp_full import LlamaCppFullBackend
-    from workers.tokenizer import Tokenizer
-
-    tok = Tokenizer(smollm2_path)
-    backend = LlamaCppFullBackend(smollm2_path, n_threads=1, n_ctx=4608, max_sessions=1)
-
-    def greedy(prompt_ids: list[int], n: int) -> list[int]:
-        backend.open_session("ref", len(prompt_ids) + n)
-        try:
-            logits = backend.prefill("ref", 0, np.asarray(prompt_ids, dtype=np.int32))
-            out = []
-            for i in range(n):
-                t = int(np.argmax(logits))
-                out.append(t)
-                logits = backend.decode_step("ref", len(prompt_ids) + i, np.array([t], dtype=np.int32))
-            return out
-        finally:
-            backend.close_session("ref")
-
-    greedy.tokenizer = tok
-    yield greedy
-    backend.close()
 
 
 def test_route_output_equals_single_process_full_model(swarm, reference):

@@ -16,7 +16,6 @@ import logging
 from pathlib import Path
 
 import nats
-import nats.js.errors as jserr
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from neuron_bus import messages as M

@@ -1,0 +1,293 @@
+"""One generation's lifecycle on the client side: route, open, prompt, events, retry, repair, close.
+
+`GenerationRun.events()` is what `NeuronClient.generate` yields:
+
+- start: a route from the tracker (avoiding nodes lost so far), the prompt tokenized by hop 0,
+  a session opened on every hop, the prompt streamed into hop 0 in chunks;
+- events: telemetry and token deltas as the route publishes them; the route nodes' heartbeats are
+  watched so a dead node ends the wait within seconds, not at the stall timeout;
+- recovery: a failure before the first token restarts from scratch on a new route; a node lost
+  during decode is replaced from a snapshot when possible (repair.py); anything else is final;
+- failure: the last phase, node and reason go to the session's telemetry, then RouteError;
+- close: every hop that opened the session frees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import numpy as np
+
+from neuron_bus import codec
+from neuron_bus import messages as M
+from neuron_bus import subjects as S
+from neuron_bus.errors import RouteError
+from neuron_bus.flow import publish
+from neuron_bus.repair import repair as repair_route
+from neuron_bus.routes import hop_header
+from neuron_bus.telemetry import GenerationProgress
+
+STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route is considered dead
+PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
+MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
+AVOID_LOST_S = 8.0  # how long a new route must avoid the nodes that were lost (the tracker expires them)
+RETRYABLE = {"node_lost", "node_unreachable", "prefill_failed", "stalled", "backend_error", "route_failed", "unknown_session"}
+HEARTBEAT_LOSS_S = 3.0  # a route node silent this long (workers heartbeat every second) is lost
+LIVENESS_CHECK_S = 0.5
+
+
+class GenerationRun:
+    def __init__(
+        self,
+        client,
+        *,
+        sampling: M.SamplingParams,
+        model_preset: str,
+        wire_dtype: str,
+        encoding: str,
+        chunk_size: int,
+        policy: str,
+        route: M.RouteAssignment | None,
+        prompt: str | None,
+        messages: list[dict[str, str]] | None,
+        prompt_tokens: list[int] | None,
+        prefill_retries: int = PREFILL_RETRIES,
+        repair: bool = True,
+    ):
+        self.client = client
+        self.sampling = sampling
+        self.model_preset, self.wire_dtype, self.encoding = model_preset, wire_dtype, encoding
+        self.chunk_size, self.policy = chunk_size, policy
+        self.route = route
+        self.prompt, self.messages, self.prompt_tokens = prompt, messages, prompt_tokens
+        self.prefill_retries, self.repair = prefill_retries, repair
+        self.session_id = uuid.uuid4().hex
+        self.progress = GenerationProgress(self.session_id, "", model_preset, [], 0)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.subs: list = []
+        self.opened: list[str] = []  # nodes holding the session
+        self.sender: asyncio.Task | None = None
+        self.watcher: asyncio.Task | None = None
+        self.generated: list[int] = []  # token ids delivered, in order
+        self.lost: set[str] = set()
+        self.retries = self.repairs = 0
+
+    # ------------------------------------------------------------------ the whole run
+
+    async def events(self) -> AsyncIterator[M.TokenDelta | M.GenerationTelemetry]:
+        nc = self.client.nc
+        for subject, kind in (
+            (S.session_tokens(self.session_id), "token"),
+            (S.session_error(self.session_id), "error"),
+            (S.telemetry(self.session_id), "telemetry"),
+        ):
+            self.subs.append(await nc.subscribe(subject, cb=self._into_queue(kind)))
+        try:
+            await self._publish_progress()  # comes back through the subscription
+            need_start = True
+            while True:
+                try:
+                    if need_start:
+                        await self._start()
+                        need_start = False
+                    async for event in self._route_events():
+                        if isinstance(event, M.TokenDelta):
+                            if event.index < len(self.generated):
+                                continue  # a repaired route re-sent a token already delivered
+                            self.generated.append(event.token_id)
+                        yield event
+                        if isinstance(event, M.TokenDelta) and event.finished:
+                            return
+                except RouteError as exc:
+                    need_start = await self._recover(exc)
+        except RouteError as exc:
+            await self._report_failure(exc)
+            raise
+        finally:
+            await self._close()
+
+    def _into_queue(self, kind: str):
+        async def cb(msg) -> None:
+            self.queue.put_nowait((kind, msg.data))
+
+        return cb
+
+    # ------------------------------------------------------------------ start
+
+    async def _start(self) -> None:
+        if self.route is None:
+            self.route = await self._route_avoiding_lost()
+        await self._follow_route()
+        self.progress.finish("loading")
+        await self._publish_progress()
+        if self.prompt_tokens is None:
+            req = M.TokenizeRequest(text=self.prompt, messages=self.messages)
+            self.prompt_tokens = (await self.client.control(self.route.hops[0].node_id, req)).tokens
+        if not self.prompt_tokens:
+            raise RouteError("empty_prompt", "the prompt has no tokens")
+        self.progress.prefill_total = len(self.prompt_tokens)
+        for i, hop in enumerate(self.route.hops):
+            tail = i == len(self.route.hops) - 1
+            await self.client.control(hop.node_id, self._session_open(i, prompt=list(self.prompt_tokens) if tail else None))
+            self.opened.append(hop.node_id)
+        self.progress.prefill(0)
+        await self._publish_progress()
+        self.sender = asyncio.create_task(self._send_prompt(self.prompt_tokens))
+
+    def _session_open(self, hop_index: int, prompt: list[int] | None) -> M.SessionOpen:
+        n = len(self.prompt_tokens)
+        return M.SessionOpen(
+            session_id=self.session_id, route=self.route, hop_index=hop_index, prompt_tokens=n,
+            n_ctx=n + self.sampling.max_tokens, chunk_size=self.chunk_size, sampling=self.sampling,
+            prompt=prompt,  # the tail writes it into the validation event
+        )
+
+    async def _route_avoiding_lost(self) -> M.RouteAssignment:
+        """A route without the nodes lost so far, while the tracker may still list them (then any)."""
+        deadline = time.monotonic() + AVOID_LOST_S
+        while True:
+            route = await self.client.route(self.model_preset, self.wire_dtype, self.encoding, policy=self.policy)
+            if not self.lost & {h.node_id for h in route.hops} or time.monotonic() > deadline:
+                return route
+            await asyncio.sleep(0.5)
+
+    async def _follow_route(self) -> None:
+        """Point telemetry and the liveness watch at the current route."""
+        if self.watcher:
+            self.watcher.cancel()
+        self.progress.route_id = self.route.route_id
+        self.progress.nodes = [h.node_id for h in self.route.hops]
+        self.watcher = await self._watch_nodes(self.progress.nodes)
+
+    async def _watch_nodes(self, nodes: list[str]) -> asyncio.Task:
+        """Follow the route nodes' heartbeats; queue ("lost", node) when one falls silent."""
+        seen = {node: time.monotonic() for node in nodes}
+
+        def beat(node: str):
+            async def cb(msg) -> None:
+                seen[node] = time.monotonic()
+
+            return cb
+
+        for node in seen:
+            self.subs.append(await self.client.nc.subscribe(S.node_heartbeat(node), cb=beat(node)))
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(LIVENESS_CHECK_S)
+                now = time.monotonic()
+                for node, at in seen.items():
+                    if now - at > HEARTBEAT_LOSS_S:
+                        self.queue.put_nowait(("lost", (node, now - at)))
+                        return
+
+        return asyncio.create_task(watch())
+
+    async def _send_prompt(self, tokens: list[int], start: int = 0) -> None:
+        """Send positions [start, len(tokens)) to hop 0 in chunks (the prompt, or a repair's replay)."""
+        ids = np.asarray(tokens, dtype=np.int32)
+        subject = S.hop_input(self.route.route_id, 0, "prefill")
+        for seq, lo in enumerate(range(start, len(ids), self.chunk_size)):
+            header = hop_header(self.route, 0, self.session_id, lo, "prefill", seq, "i32")
+            headers, body = codec.encode(header, ids[lo : lo + self.chunk_size])
+            await publish(self.client.js, subject, body, headers)
+
+    # ------------------------------------------------------------------ events
+
+    async def _route_events(self):
+        last_phase = "prefill"
+        while True:
+            if self.sender.done() and self.sender.exception():
+                raise RouteError("prefill_failed", f"sending the prompt failed: {self.sender.exception()}", phase="prefill")
+            try:
+                kind, data = await asyncio.wait_for(self.queue.get(), STALL_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise RouteError(
+                    "stalled", f"no progress from route {self.route.route_id} for {STALL_TIMEOUT_S:.0f}s", phase=last_phase
+                ) from None
+            if kind == "lost":
+                node, silent = data
+                raise RouteError("node_lost", f"node {node} sent no heartbeat for {silent:.1f}s", phase=last_phase, node_id=node)
+            if kind == "error":
+                err = M.decode(data, M.SessionError)
+                if err.fatal:
+                    raise RouteError(err.code, err.message, phase=err.phase, node_id=err.node_id)
+                continue  # a rejected stray message; the session goes on
+            if kind == "telemetry":
+                t = M.decode(data, M.GenerationTelemetry)
+                if t.phase == "failed":
+                    raise RouteError(
+                        "route_failed", t.failure_reason or "route failed",
+                        phase=t.failure_phase or last_phase, node_id=t.failure_node,
+                    )
+                last_phase = t.phase
+                yield t
+                continue
+            last_phase = "decode"
+            yield M.decode(data, M.TokenDelta)
+
+    # ------------------------------------------------------------------ recovery, failure, close
+
+    async def _recover(self, exc: RouteError) -> bool:
+        """Retry or repair after ``exc``, or raise it. Returns whether the run must start again."""
+        if not self.generated:  # before the first token: retry from scratch on a new route
+            if exc.reason not in RETRYABLE or self.retries >= self.prefill_retries:
+                raise exc
+            self.retries += 1
+            if exc.node_id:
+                self.lost.add(exc.node_id)
+            self._cancel_tasks()
+            await self._close_sessions()
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.route = None
+            return True
+        if not (self.repair and exc.reason == "node_lost" and exc.node_id and self.repairs < MAX_REPAIRS):
+            raise exc
+        self.repairs += 1
+        self.lost.add(exc.node_id)
+        spec = self._session_open(0, prompt=list(self.prompt_tokens))
+        try:
+            self.route, start, node = await repair_route(
+                self.client, self.route, exc.node_id, spec, list(self.generated), self.repairs, self.lost
+            )
+        except RouteError as failed:
+            raise RouteError(
+                exc.reason, f"{exc}; route repair failed ({failed.reason}): {failed}", exc.phase, exc.node_id
+            ) from None
+        self.opened[:] = [n for n in self.opened if n != exc.node_id] + [node.node_id]
+        await self._follow_route()
+        self.sender = asyncio.create_task(self._send_prompt(self.prompt_tokens + self.generated, start=start))
+        return False
+
+    async def _report_failure(self, exc: RouteError) -> None:
+        if exc.phase == "queued":  # raised outside the event loop (route, tokenize, open): the client's phase
+            exc.phase = self.progress.phase
+        where = f" at node {exc.node_id}" if exc.node_id else ""
+        self.progress.fail(f"{exc.reason} in phase {exc.phase}{where}: {exc}", exc.phase, exc.node_id)
+        await self._publish_progress()
+
+    def _cancel_tasks(self) -> None:
+        for task in (self.sender, self.watcher):
+            if task:
+                task.cancel()
+
+    async def _close_sessions(self) -> None:
+        for node in self.opened:
+            try:
+                await self.client.control(node, M.SessionClose(session_id=self.session_id, route_id=self.route.route_id), timeout=5)
+            except RouteError:
+                pass  # the node is gone; its cache went with it
+        self.opened.clear()
+
+    async def _close(self) -> None:
+        self._cancel_tasks()
+        for sub in self.subs:
+            await sub.unsubscribe()
+        await self._close_sessions()
+
+    async def _publish_progress(self) -> None:
+        await self.client.js.publish(self.progress.subject, M.encode(self.progress.snapshot()))
