@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -16,9 +17,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_up_then_generate_produces_text_and_ctrl_c_stops_everything(tmp_path):
-    port, http = free_port(), free_port()
+    port, http, gateway = free_port(), free_port(), free_port()
     up = subprocess.Popen(
-        cli() + ["up", "--nats-port", str(port), "--http-port", str(http), "--workdir", str(tmp_path)],
+        cli() + ["up", "--nats-port", str(port), "--http-port", str(http), "--port", str(gateway), "--workdir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -31,7 +32,9 @@ def test_up_then_generate_produces_text_and_ctrl_c_stops_everything(tmp_path):
                 break
         assert any("swarm up" in line for line in lines), "".join(lines)
         children = psutil.Process(up.pid).children(recursive=True)
-        assert len(children) >= 4  # nats-server, tracker, two workers
+        assert len(children) >= 5  # nats-server, tracker, two workers, gateway
+        page = urllib.request.urlopen(f"http://127.0.0.1:{gateway}/", timeout=10).read().decode()
+        assert "<html" in page.lower()
         out = subprocess.run(
             cli() + ["generate", "Name a colour:", "--nats", f"nats://127.0.0.1:{port}", "--max-tokens", "12"],
             capture_output=True, text=True, timeout=120,
