@@ -612,6 +612,8 @@ class TrackedNode(Struct):
     route_failure_rate: float = 0.0
     rtt_ms: float | None = None
     slow: bool = False
+    trust_tier: TrustTier = "untrusted"
+    flagged: bool = False  # audits caught it: never routed
 
 
 class CoverageReport(Struct, tag_field="type", tag="coverage"):

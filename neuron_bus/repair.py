@@ -24,7 +24,7 @@ import msgspec
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
-from neuron_bus.tracker.planner import hop_subject
+from neuron_bus.tracker.planner import TRUSTED_TIERS, hop_subject
 
 REPAIR_TIMEOUT_S = 20.0
 
@@ -45,7 +45,8 @@ def repaired_route(route: M.RouteAssignment, hop_index: int, node: M.TrackedNode
 
 
 def pick_replacement(report: M.CoverageReport, route: M.RouteAssignment, hop: M.RouteHop, exclude: set[str]) -> M.TrackedNode | None:
-    """A live node of the same model revision, backend, cache ABI and exact layer range."""
+    """A live node of the same model revision, backend, cache ABI and exact layer range, that the
+    route's policy admits (trusted tiers unless public) and that audits have not flagged."""
     groups = [
         m for m in report.models
         if (m.model_preset, m.model_revision, m.backend_id, m.cache_abi)
@@ -56,6 +57,7 @@ def pick_replacement(report: M.CoverageReport, route: M.RouteAssignment, hop: M.
         n for n in report.nodes
         if n.node_id in live and n.alive and n.node_id not in exclude and n.status == "ready"
         and (n.layer_start, n.layer_end) == (hop.layer_start, hop.layer_end)
+        and not n.flagged and (route.policy == "public" or n.trust_tier in TRUSTED_TIERS)
     ]
     if not candidates:
         return None

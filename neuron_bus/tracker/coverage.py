@@ -144,6 +144,8 @@ def tracked_nodes(views: Sequence[NodeView], params: TrackerParams) -> list[Trac
             route_failure_rate=v.failure_rate,
             rtt_ms=None if v.rtt is None else round(v.rtt * 1000, 3),
             slow=speed.is_slow(v, peers[v.numerics], params),
+            trust_tier=v.caps.trust_tier,
+            flagged=v.flagged,
         )
         for v in sorted(views, key=lambda v: (v.caps.model_preset, v.layer_start, v.node_id))
     ]
