@@ -219,17 +219,12 @@ class SessionResumed(Struct, tag_field="type", tag="resumed"):
     snapshot: str | None = None  # object name of the restored snapshot
 
 
-class SnapshotMeta(Struct):
-    """What a KV snapshot holds: stored as the description of its object in ``neuron-snapshots``.
+class SessionKey(Struct):
+    """The session state key: the session, route, model, backend numerics and layer range a piece
+    of hot state belongs to, and its position. Activations carry it; snapshots record it."""
 
-    A snapshot may only be restored by a node of the same model revision, backend, cache ABI and
-    layer range; ``position`` positions [0, position) are in the blob.
-    """
-
-    generation_id: str  # unique per written snapshot
     session_id: str
     route_id: str
-    node_id: str
     model_preset: str
     model_revision: str
     backend_id: str
@@ -237,6 +232,17 @@ class SnapshotMeta(Struct):
     layer_start: int
     layer_end: int
     position: int
+
+
+class SnapshotMeta(SessionKey, kw_only=True):
+    """What a KV snapshot holds: stored as the description of its object in ``neuron-snapshots``.
+
+    A snapshot may only be restored by a node of the same model revision, backend, cache ABI and
+    layer range; ``position`` positions [0, position) are in the blob.
+    """
+
+    generation_id: str  # unique per written snapshot
+    node_id: str
     n_ctx: int
     nbytes: int
     created_at: float = 0.0
@@ -312,18 +318,10 @@ class SessionError(Struct):
     fatal: bool = True  # False: one message was rejected, the session goes on
 
 
-class ActivationHeader(Struct):
-    """The session state key and tensor description carried in the headers of every activation."""
+class ActivationHeader(SessionKey, kw_only=True):
+    """The session state key and tensor description carried in the headers of every activation
+    (``position`` is the first position in the body)."""
 
-    session_id: str
-    route_id: str
-    model_preset: str
-    model_revision: str
-    backend_id: str
-    cache_abi: str
-    layer_start: int
-    layer_end: int
-    position: int
     phase: ActivationPhase
     seq: int
     dtype: WireDtype
