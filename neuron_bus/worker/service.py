@@ -77,6 +77,7 @@ class WorkerService:
         self.sessions = SessionTable()
         self.node_telemetry = NodeTelemetry(self.node_id)
         self._latency_probe: asyncio.Task | None = None
+        self._pending: set[asyncio.Task] = set()  # fire-and-forget sends (rejections)
         self.snapshots = SnapshotStore(
             nc, report, self.metrics, every=self.opts.snapshot_every, url=self.opts.snapshot_url
         )
@@ -390,7 +391,7 @@ class WorkerService:
     def _reject(self, msg: Msg, reason: str, text: str) -> None:
         self._count_rejected(reason)
         sid = (msg.headers or {}).get("session_id", "")
-        asyncio.create_task(msg.term())
+        self._background(msg.term())
         try:
             subject = S.session_error(sid)
         except ValueError:
@@ -400,7 +401,13 @@ class WorkerService:
             session_id=sid, route_id=(msg.headers or {}).get("route_id", ""), phase=s.phase if s else "failed",
             code=reason, message=f"{self.node_id}: rejected message: {text}", node_id=self.node_id, fatal=False,
         )
-        asyncio.create_task(self.nc.publish(subject, M.encode(err)))
+        self._background(self.nc.publish(subject, M.encode(err)))
+
+    def _background(self, coro) -> None:
+        """Run ``coro`` without waiting for it, holding a reference until it is done."""
+        task = asyncio.create_task(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     async def _handle(self, msgs: list[Msg], phase: str) -> None:
         work, seen = [], set()
