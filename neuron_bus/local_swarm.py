@@ -1,8 +1,8 @@
 """A swarm on this machine: the embedded nats-server, a tracker, N workers and optionally the
 gateway, as real processes.
 
-Used by `neuron-bus up`, the benchmarks and the integration tests alike. Layers are split evenly;
-each worker gets its own thread budget (one by default: several processes share few cores).
+Used by `neuron-bus up`, the benchmarks and the integration tests alike. Layers are split so every
+worker does about the same work per token (`neuron_bus.split`); each worker gets its own thread budget (one by default: several processes share few cores).
 """
 
 from __future__ import annotations
@@ -24,15 +24,8 @@ from neuron_bus.artifacts.gguf_model import GGUFModel, format_layers
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.models import preset_for
 from neuron_bus.natsserver import NatsServer, ServerConfig, free_port
+from neuron_bus.split import balanced_split, layer_work
 from neuron_bus.topology import connect, ensure_topology
-
-
-def even_split(n_layers: int, shards: int) -> list[tuple[int, int]]:
-    """[start, end) ranges of nearly equal size covering n_layers."""
-    if not 1 <= shards <= n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {shards} shards")
-    bounds = [round(i * n_layers / shards) for i in range(shards + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def cli() -> list[str]:
@@ -70,7 +63,8 @@ class LocalSwarm:
     ):
         self.model_path = Path(model_path)
         self.preset = preset_for(self.model_path)
-        self.n_layers = GGUFModel(self.model_path).n_layers
+        model = GGUFModel(self.model_path)
+        self.n_layers = model.n_layers
         self.backend = backend
         self.threads = threads
         self.workdir = Path(workdir)
@@ -101,7 +95,7 @@ class LocalSwarm:
         self.prefill_window = prefill_window
         self.from_store = from_store  # publish the model to the shard swarm; workers fetch their range
         self.artifact_id: str | None = None
-        ranges = ranges or even_split(self.n_layers, shards)
+        ranges = ranges or balanced_split(layer_work(model), shards)
         self.workers = [
             WorkerSpec(r, f"worker-{i}", list((worker_extra or {}).get(i, []))) for i, r in enumerate(ranges)
         ]

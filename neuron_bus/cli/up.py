@@ -21,7 +21,7 @@ from neuron_bus.local_swarm import LocalSwarm
 @app.command()
 def up(
     model: str = typer.Option(models.DEFAULT_PRESET, help="GGUF path or preset."),
-    shards: int = typer.Option(2, min=1, help="Workers; the layers are split evenly."),
+    shards: int = typer.Option(2, min=1, help="Workers; the layers are split so each does about the same work per token."),
     backend: str = typer.Option("llama-cpp", help="llama-cpp | torch"),
     threads: int = typer.Option(1, min=1, help="Threads per worker."),
     nats_port: int = typer.Option(4222, help="Client port of the embedded nats-server."),

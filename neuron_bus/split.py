@@ -1,0 +1,56 @@
+"""Layer ranges for a pipeline of shards, balanced by the work each shard does per token.
+
+A route is a pipeline: with many sessions in flight, every hop computes at once and the slowest
+hop sets the pace. Equal layer counts are not equal work: the tail also projects onto the
+vocabulary (SmolLM2's head multiplies as many weights as 8 of its 30 layers), so the balanced
+split gives the tail fewer layers. One session's latency is the sum over hops and does not change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from neuron_bus.artifacts.gguf_model import GGUFModel
+from neuron_bus.trust.work import owned_layer_work
+
+
+def layer_work(model: GGUFModel | str | Path) -> list[float]:
+    """Work per token of each layer (millions of weights); the last layer carries the output head."""
+    m = model if isinstance(model, GGUFModel) else GGUFModel(Path(model))
+    return [owned_layer_work(m, i, i + 1, m.n_layers) for i in range(m.n_layers)]
+
+
+def balanced_split(work: list[float], shards: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges, one per shard, minimising the largest shard's work.
+
+    Among the splits with that minimum, the one whose shards are closest to equal layer counts
+    wins (so equal per-layer work gives the even split).
+    """
+    n = len(work)
+    if not 1 <= shards <= n:
+        raise ValueError(f"cannot split {n} layers into {shards} shards")
+    prefix = [0.0]
+    for w in work:
+        prefix.append(prefix[-1] + w)
+    even = n / shards
+
+    # best[k][j]: (largest work, layer-count deviation) of splitting layers [0, j) into k shards
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(shards + 1)]
+    cut = [[0] * (n + 1) for _ in range(shards + 1)]
+    best[0][0] = (0.0, 0.0)
+    for k in range(1, shards + 1):
+        for j in range(k, n - (shards - k) + 1):
+            for i in range(k - 1, j):
+                prev = best[k - 1][i]
+                if prev == inf:
+                    continue
+                cand = (max(prev[0], round(prefix[j] - prefix[i], 6)), prev[1] + abs((j - i) - even))
+                if cand < best[k][j]:
+                    best[k][j], cut[k][j] = cand, i
+    bounds, j = [n], n
+    for k in range(shards, 0, -1):
+        j = cut[k][j]
+        bounds.append(j)
+    bounds.reverse()
+    return list(zip(bounds[:-1], bounds[1:]))
