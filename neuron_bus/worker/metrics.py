@@ -29,6 +29,9 @@ class WorkerMetrics:
             ["reason"], **labels,
         )
         self.tokens = Counter("neuron_tokens_total", "Positions computed by this node", ["phase"], **labels)
+        self.backend_seconds = Counter(
+            "neuron_backend_seconds_total", "Seconds the backend spent computing (its utilization)", ["phase"], **labels,
+        )
 
     def seam(self, phase: str, direction: str, nbytes: int) -> None:
         self.seam_bytes.labels(phase, direction).inc(nbytes)

@@ -64,6 +64,14 @@ class WorkerOptions:
     fault: str | None = None  # fault injection for audit tests: "perturb" (trust/fault.py)
 
 
+async def _settle(coro):
+    """Await ``coro``; its exception, if any, is returned instead of raised (like gather's)."""
+    try:
+        return await coro
+    except Exception as exc:
+        return exc
+
+
 class WorkerService:
     def __init__(self, nc: NATS, backend, tokenizer, report: M.CapabilityReport, options: WorkerOptions | None = None):
         self.nc = nc
@@ -336,8 +344,9 @@ class WorkerService:
             while self._decode_q or self._prefill_q:
                 try:
                     if self._decode_q:
-                        await self._gather_decode_batch()
-                        batch = [self._decode_q.popleft() for _ in range(min(len(self._decode_q), self.opts.max_decode_batch))]
+                        wave = self._wave_size()
+                        await self._gather_decode_batch(wave)
+                        batch = [self._decode_q.popleft() for _ in range(min(len(self._decode_q), wave))]
                         await self._handle(batch, "decode")
                     else:
                         await self._handle([self._prefill_q.popleft()], "prefill")
@@ -346,22 +355,35 @@ class WorkerService:
                 except Exception:  # never let one message kill the loop
                     log.exception("worker %s: unexpected error while processing", self.node_id)
 
-    async def _gather_decode_batch(self) -> None:
-        """Micro-batching: wait briefly for the decode steps of the other sessions in decode here.
+    def _wave_size(self) -> int:
+        """How many decode steps run as one batch here: a wave.
+
+        The decoding sessions are spread over as many waves as their route has hops, so that
+        while one hop computes a wave the other hops have waves of their own to compute
+        (pipelining), and each wave is one batched backend call (batching). One session, or one
+        per hop, means no batching and no waiting.
+        """
+        sessions = [s for s in self.sessions if s.phase == "decode" and not s.finished]
+        if not sessions:
+            return 1
+        hops = max(len(s.route.hops) for s in sessions)
+        return max(1, min(self.opts.max_decode_batch, -(-len(sessions) // hops)))
+
+    async def _gather_decode_batch(self, wave: int) -> None:
+        """Micro-batching: wait briefly until a whole wave of decode steps is queued here.
 
         Each decoding session has one step circling the ring. Hop 0 waits up to ``batch_wait_ms``
-        for all of them, so the steps leave it as one wave; later hops only wait a moment for the
-        rest of that wave. The ring then settles into one backend call per hop per round.
+        for a wave's steps, so they leave it together; later hops only wait a moment for the rest
+        of a wave. The ring then settles into one backend call per hop per wave, with the waves
+        following each other around the ring.
         """
-        if self.opts.batch_wait_ms <= 0:
+        if self.opts.batch_wait_ms <= 0 or len(self._decode_q) >= wave:
             return
-        sessions = [s for s in self.sessions if s.phase == "decode" and not s.finished]
-        target = min(len(sessions), self.opts.max_decode_batch)
-        is_head = any(s.is_head for s in sessions)
+        is_head = any(s.is_head for s in self.sessions if s.phase == "decode")
         wait_ms = self.opts.batch_wait_ms if is_head else min(1.0, self.opts.batch_wait_ms)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_ms / 1000.0
-        while len(self._decode_q) < target:
+        while len(self._decode_q) < wave:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return
@@ -438,25 +460,32 @@ class WorkerService:
             await self._fail(s, "backend_error", str(exc))
             await m.term()
             return
+        live = []
         for (m, (s, header, x)), out in zip(work, outs):
             if self.sessions.get(s.session_id) is not s:  # closed or moved to a repaired route meanwhile
                 await m.ack()
                 continue
-            before = s.position
+            live.append((m, s, header, x.shape[0], out, s.position))
             s.position += x.shape[0]
             self.trail.worked(s.session_id, phase, x.shape[0])
             s.seq += 1
             s.last_used = time.monotonic()
-            try:
-                await self._forward(s, header, x.shape[0], out)
-            except NeuronBusError as exc:
-                if exc.reason != "session_gone":
-                    raise
+        # a batch's outputs go on together: their stream acknowledgements overlap instead of queueing
+        sends = [self._forward(s, header, n, out) for _, s, header, n, out, _ in live]
+        results = [await _settle(sends[0])] if len(sends) == 1 else await asyncio.gather(*sends, return_exceptions=True)
+        failure = None
+        for (m, s, _, _, _, before), result in zip(live, results):
+            if isinstance(result, NeuronBusError) and result.reason == "session_gone":
                 await m.term()  # the session closed or moved while its output waited for a full next hop
+                continue
+            if isinstance(result, BaseException):
+                failure = failure or result  # left unacknowledged: redelivered after ack_wait
                 continue
             if not s.finished and self.snapshots.due(before, s.position, s.open.prompt_tokens):
                 await self._snapshot(s)
             await m.ack()
+        if failure is not None:
+            raise failure
 
     def _still_current(self, s: HopSession) -> None:
         """Stop waiting on a full next hop (a dead one, say) once the session closed or moved."""
@@ -494,6 +523,7 @@ class WorkerService:
         outs = await self._call(run_faulty if self.opts.fault else run)
         busy = time.monotonic() - started
         self.metrics.backend_calls.labels(phase).inc()
+        self.metrics.backend_seconds.labels(phase).inc(busy)
         n = sum(x.shape[0] for _, _, x in items)
         self.metrics.tokens.labels(phase).inc(n)
         self._work_window.append((started, phase, n, busy))
