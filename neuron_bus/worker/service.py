@@ -47,6 +47,7 @@ from neuron_bus.worker.snapshots import SnapshotStore
 log = logging.getLogger("neuron_bus.worker")
 
 TOP_LOGPROBS = 5
+INLINE_STEP_S = 0.0005  # decode calls quicker than this run on the event loop (see _compute)
 
 
 @dataclass
@@ -92,6 +93,8 @@ class WorkerService:
         self.trail = AuditTrail(self.js, report, self.opts.owned_layer_work)
         self._fault_rng = np.random.default_rng()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"backend-{self.node_id}")
+        self._backend_jobs = 0  # calls handed to the backend thread and not finished yet
+        self._decode_call_s = float("inf")  # how long the last decode call took
         self._decode_q: deque[Msg] = deque()
         self._prefill_q: deque[Msg] = deque()
         self._work = asyncio.Event()
@@ -131,8 +134,12 @@ class WorkerService:
         self._pool.shutdown(wait=True)
 
     async def _call(self, fn, *args):
-        """Run a backend/tokenizer call on the backend thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """Run a backend/tokenizer call on the backend thread (one at a time, in submission order)."""
+        self._backend_jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._backend_jobs -= 1
 
     # ------------------------------------------------------------------ control plane
 
@@ -519,9 +526,16 @@ class WorkerService:
         def run_faulty():
             return [faults.apply(self.opts.fault, out, self._fault_rng) for out in run()]
 
+        call = run_faulty if self.opts.fault else run
+        # A decode call that takes less time than handing it to the backend thread and back runs
+        # right here on the event loop. Only when the thread is idle: calls already queued there
+        # (a snapshot export, say) must keep their order with this one.
+        inline = phase == "decode" and self._decode_call_s < INLINE_STEP_S and self._backend_jobs == 0
         started = time.monotonic()
-        outs = await self._call(run_faulty if self.opts.fault else run)
+        outs = call() if inline else await self._call(call)
         busy = time.monotonic() - started
+        if phase == "decode":
+            self._decode_call_s = busy
         self.metrics.backend_calls.labels(phase).inc()
         self.metrics.backend_seconds.labels(phase).inc(busy)
         n = sum(x.shape[0] for _, _, x in items)
@@ -578,12 +592,14 @@ class WorkerService:
             logprob=pick.logprob if params.logprobs else None, top_logprobs=top,
             finished=finish is not None, finish_reason=finish,
         )
-        if finish is None:  # the ring first: the next step is the critical path
+        token = publish(self.js, S.session_tokens(s.session_id), M.encode(delta))
+        if finish is None:  # the ring first (the next step is the critical path); both acks awaited together
             head = s.header(0, position, "decode", s.ring_seq(index), "i32")
             headers, body = codec.encode(head, np.array([pick.token_id], dtype=np.int32))
-            await publish(self.js, S.hop_input(s.route.route_id, 0, "decode"), body, headers)
+            await asyncio.gather(publish(self.js, S.hop_input(s.route.route_id, 0, "decode"), body, headers), token)
             self.metrics.seam("decode", "out", len(body))
-        await publish(self.js, S.session_tokens(s.session_id), M.encode(delta))
+        else:
+            await token
         if finish is None:
             if s.progress.due():
                 await self._telemetry(s)
