@@ -57,6 +57,9 @@ def test_concurrent_sessions_batch_decode_and_match_their_solo_runs(smollm2_path
         both = asyncio.run(together())
         calls = counter(ports[1], "neuron_backend_calls_total", "decode") - calls0
         steps = counter(ports[1], "neuron_tokens_total", "decode") - steps0
+        inline = counter(ports[1], "neuron_backend_inline_calls_total", "decode")
     assert list(both) == alone
     assert steps == 4 * 31  # every decode step of every session went through the tail
     assert calls < steps, f"{calls} backend calls for {steps} decode steps: nothing was batched"
+    # llama.cpp steps take milliseconds: every one ran on the backend thread, none on the event loop
+    assert inline == 0

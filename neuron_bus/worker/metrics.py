@@ -29,6 +29,9 @@ class WorkerMetrics:
             ["reason"], **labels,
         )
         self.tokens = Counter("neuron_tokens_total", "Positions computed by this node", ["phase"], **labels)
+        self.inline_calls = Counter(
+            "neuron_backend_inline_calls_total", "Backend calls quick enough to run on the event loop", ["phase"], **labels,
+        )
         self.backend_seconds = Counter(
             "neuron_backend_seconds_total", "Seconds the backend spent computing (its utilization)", ["phase"], **labels,
         )

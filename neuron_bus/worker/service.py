@@ -523,19 +523,27 @@ class WorkerService:
             fn = b.decode_step if phase == "decode" else b.prefill
             return [fn(s.session_id, h.position, x)]
 
-        def run_faulty():
-            return [faults.apply(self.opts.fault, out, self._fault_rng) for out in run()]
+        took = [0.0]
 
-        call = run_faulty if self.opts.fault else run
+        def call():
+            t0 = time.monotonic()
+            try:
+                outs = run()
+                return [faults.apply(self.opts.fault, out, self._fault_rng) for out in outs] if self.opts.fault else outs
+            finally:
+                took[0] = time.monotonic() - t0  # the call alone, without any hand-off
+
         # A decode call that takes less time than handing it to the backend thread and back runs
         # right here on the event loop. Only when the thread is idle: calls already queued there
         # (a snapshot export, say) must keep their order with this one.
         inline = phase == "decode" and self._decode_call_s < INLINE_STEP_S and self._backend_jobs == 0
         started = time.monotonic()
         outs = call() if inline else await self._call(call)
-        busy = time.monotonic() - started
+        busy = took[0]
         if phase == "decode":
             self._decode_call_s = busy
+        if inline:
+            self.metrics.inline_calls.labels(phase).inc()
         self.metrics.backend_calls.labels(phase).inc()
         self.metrics.backend_seconds.labels(phase).inc(busy)
         n = sum(x.shape[0] for _, _, x in items)
