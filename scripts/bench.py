@@ -5,10 +5,12 @@
 Contenders, all on this machine in this run, with the same thread budget per process:
 - single-process llama.cpp (the whole GGUF through llama-cpp-python: what users compare us with)
 - 2-hop and 3-hop routes on the llama.cpp backend, and a 2-hop route on the torch backend
-- 2-hop and 3-hop routes of no-op hops (no model work: the bus's own per-hop cost)
+- 2-hop and 3-hop routes of no-op hops (no model work: the bus's own per-hop cost), next to a
+  bare two-process JetStream relay (scripts/jetstream_floor.py: the least a Python hop can cost)
 
 Figures: decode tok/s, prefill tok/s at 512/2048/4096 tokens, time to first token, seam bytes
-per token by phase, per-hop overhead, aggregate decode tok/s at 1/4/8 concurrent sessions, peak
+per token by phase, per-hop overhead, aggregate decode tok/s at 1/4/8 concurrent sessions (while all
+of them decode), peak
 RSS per hop. The table prints every figure next to its ratio against single-process llama.cpp.
 """
 
@@ -35,6 +37,7 @@ from neuron_bus import models  # noqa: E402
 from neuron_bus.client import NeuronClient  # noqa: E402
 from neuron_bus.local_swarm import LocalSwarm  # noqa: E402
 from neuron_bus.natsserver import free_port  # noqa: E402
+from scripts import jetstream_floor  # noqa: E402
 
 PREFILL_SIZES = (512, 2048, 4096)
 
@@ -139,6 +142,20 @@ def decode_rate(run: dict) -> float:
     return (len(s) - 1) / (s[-1] - s[0])
 
 
+def steady_decode_rate(stamps: list[list[float]]) -> float:
+    """Tokens per second over the window in which every session is decoding.
+
+    Concurrent sessions start with their prefills queued behind each other, and finish one by
+    one; counting from the first session's first token to the last one's last token would mix
+    prefill and idle tails into a decode figure. The window runs from the moment the last session
+    emitted its first token to the moment the first session emitted its last.
+    """
+    lo, hi = max(s[0] for s in stamps), min(s[-1] for s in stamps)
+    if hi - lo < 0.5:
+        raise RuntimeError(f"the sessions decoded together for only {hi - lo:.2f}s: too short to measure")
+    return sum(1 for s in stamps for t in s if lo < t <= hi) / (hi - lo)
+
+
 async def route_figures(url: str, ids_by_size: dict[int, list[int]], n_decode: int, concurrency: tuple[int, ...]) -> dict:
     out: dict = {"prefill_tok_s": {}, "ttft_s": {}, "aggregate_decode_tok_s": {}, "token_intervals_s": []}
     async with await NeuronClient.connect(url) as client:
@@ -154,12 +171,8 @@ async def route_figures(url: str, ids_by_size: dict[int, list[int]], n_decode: i
         out["decode_tok_s"] = decode_rate(best)
         out["token_intervals_s"] = list(np.diff(best["stamps"]))
         for k in concurrency:
-            t0 = time.perf_counter()
-            runs = await asyncio.gather(*(generation(client, route, small[: 64 + i], n_decode) for i in range(k)))
-            first = min(r["stamps"][0] for r in runs)
-            last = max(r["stamps"][-1] for r in runs)
-            del t0
-            out["aggregate_decode_tok_s"][k] = k * n_decode / (last - first)
+            runs = await asyncio.gather(*(generation(client, route, small[: 64 + i], max(n_decode, 128)) for i in range(k)))
+            out["aggregate_decode_tok_s"][k] = steady_decode_rate([r["stamps"] for r in runs])
     return out
 
 
@@ -233,6 +246,7 @@ def main() -> int:
         )
         print(f"  {name} done ({time.time() - t:.0f}s)", flush=True)
 
+    floor_ms = jetstream_floor.measure()
     r2, r3 = contenders["route2 llama.cpp"], contenders["route3 llama.cpp"]
     hop_ms = []
     for name, hops in (("route2 no-op", 2), ("route3 no-op", 3)):
@@ -264,7 +278,8 @@ def main() -> int:
     print()
     print("aggregate decode tok/s, 2-hop llama.cpp route: " + ", ".join(f"{k} sessions {v:.1f}" for k, v in agg.items())
           + f"  (8 vs 1: {agg[8] / agg[1]:.2f}x; 8 vs single process: {agg[8] / single['decode_tok_s']:.2f}x)")
-    print(f"per-hop overhead with no-op hops: p50 {per_hop_p50:.3f} ms")
+    print(f"per-hop overhead with no-op hops: p50 {per_hop_p50:.3f} ms "
+          f"(a bare two-process JetStream relay on this machine: {floor_ms:.3f} ms per leg)")
     big = max(sizes)
     prefill_time_ratio = single["prefill_tok_s"][big] / r2["prefill_tok_s"][big]
     print(f"{big}-token prefill, 2-hop route time / single-process time: {prefill_time_ratio:.2f}")
@@ -289,6 +304,7 @@ def main() -> int:
         "decode_seam_bytes_per_token": r2["decode_seam_bytes_per_token"],
         "prefill_seam_bytes_per_token": r2["prefill_seam_bytes_per_token"],
         "per_hop_overhead_ms_p50": per_hop_p50,
+        "jetstream_relay_floor_ms_p50": floor_ms,
         "aggregate_decode_tok_s": agg,
         "concurrent8_vs_single_ratio": agg[8] / agg[1],
         f"prefill{big // 1024}k_route2_vs_single_ratio": prefill_time_ratio,
