@@ -247,6 +247,8 @@ def main() -> int:
         print(f"  {name} done ({time.time() - t:.0f}s)", flush=True)
 
     floor_ms = jetstream_floor.measure()
+    think_ms = 1000 / single["decode_tok_s"] / 2  # each hop of a 2-hop route computes about half a token
+    floor_think_ms = jetstream_floor.measure(300, think_ms)
     r2, r3 = contenders["route2 llama.cpp"], contenders["route3 llama.cpp"]
     hop_ms = []
     for name, hops in (("route2 no-op", 2), ("route3 no-op", 3)):
@@ -279,7 +281,8 @@ def main() -> int:
     print("aggregate decode tok/s, 2-hop llama.cpp route: " + ", ".join(f"{k} sessions {v:.1f}" for k, v in agg.items())
           + f"  (8 vs 1: {agg[8] / agg[1]:.2f}x; 8 vs single process: {agg[8] / single['decode_tok_s']:.2f}x)")
     print(f"per-hop overhead with no-op hops: p50 {per_hop_p50:.3f} ms "
-          f"(a bare two-process JetStream relay on this machine: {floor_ms:.3f} ms per leg)")
+          f"(a bare two-process JetStream relay on this machine: {floor_ms:.3f} ms per leg; "
+          f"{floor_think_ms:.3f} ms when each leg also waits {think_ms:.1f} ms for a backend thread)")
     big = max(sizes)
     prefill_time_ratio = single["prefill_tok_s"][big] / r2["prefill_tok_s"][big]
     print(f"{big}-token prefill, 2-hop route time / single-process time: {prefill_time_ratio:.2f}")
@@ -305,6 +308,7 @@ def main() -> int:
         "prefill_seam_bytes_per_token": r2["prefill_seam_bytes_per_token"],
         "per_hop_overhead_ms_p50": per_hop_p50,
         "jetstream_relay_floor_ms_p50": floor_ms,
+        "jetstream_relay_floor_with_backend_ms_p50": floor_think_ms,
         "aggregate_decode_tok_s": agg,
         "concurrent8_vs_single_ratio": agg[8] / agg[1],
         f"prefill{big // 1024}k_route2_vs_single_ratio": prefill_time_ratio,
