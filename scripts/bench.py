@@ -156,8 +156,19 @@ def steady_decode_rate(stamps: list[list[float]]) -> float:
     return sum(1 for s in stamps for t in s if lo < t <= hi) / (hi - lo)
 
 
-async def route_figures(url: str, ids_by_size: dict[int, list[int]], n_decode: int, concurrency: tuple[int, ...]) -> dict:
-    out: dict = {"prefill_tok_s": {}, "ttft_s": {}, "aggregate_decode_tok_s": {}, "token_intervals_s": []}
+def decode_backend_seconds(ports: list[int]) -> tuple[float, float]:
+    """(backend seconds spent on decode summed over the hops, decode steps through the tail)."""
+    busy = sum(scrape(p, "neuron_backend_seconds_total", phase="decode") for p in ports)
+    return busy, scrape(ports[-1], "neuron_tokens_total", phase="decode")
+
+
+async def route_figures(
+    url: str, ids_by_size: dict[int, list[int]], n_decode: int, concurrency: tuple[int, ...], ports: list[int]
+) -> dict:
+    out: dict = {
+        "prefill_tok_s": {}, "ttft_s": {}, "aggregate_decode_tok_s": {}, "token_intervals_s": [],
+        "backend_ms_per_token": {},
+    }
     async with await NeuronClient.connect(url) as client:
         route = await client.route()
         small = ids_by_size[min(ids_by_size)]
@@ -171,8 +182,11 @@ async def route_figures(url: str, ids_by_size: dict[int, list[int]], n_decode: i
         out["decode_tok_s"] = decode_rate(best)
         out["token_intervals_s"] = list(np.diff(best["stamps"]))
         for k in concurrency:
+            busy0, steps0 = decode_backend_seconds(ports)
             runs = await asyncio.gather(*(generation(client, route, small[: 64 + i], max(n_decode, 128)) for i in range(k)))
             out["aggregate_decode_tok_s"][k] = steady_decode_rate([r["stamps"] for r in runs])
+            busy1, steps1 = decode_backend_seconds(ports)
+            out["backend_ms_per_token"][k] = 1000 * (busy1 - busy0) / max(steps1 - steps0, 1)
     return out
 
 
@@ -190,7 +204,7 @@ def bench_route(
         seam0 = {ph: scrape(ports[0], "neuron_seam_bytes_total", phase=ph, direction="out") for ph in ("prefill", "decode")}
         msgs0 = scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out")
         with RssSampler(pids) as rss:
-            out = asyncio.run(route_figures(swarm.url, ids_by_size, n_decode, concurrency))
+            out = asyncio.run(route_figures(swarm.url, ids_by_size, n_decode, concurrency, ports))
         seam = {ph: scrape(ports[0], "neuron_seam_bytes_total", phase=ph, direction="out") - seam0[ph] for ph in seam0}
         msgs = scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out") - msgs0
         prompt_positions = sum(len(v) for v in ids_by_size.values()) + 32 + len(ids_by_size[min(ids_by_size)]) * 2
@@ -280,6 +294,11 @@ def main() -> int:
     print()
     print("aggregate decode tok/s, 2-hop llama.cpp route: " + ", ".join(f"{k} sessions {v:.1f}" for k, v in agg.items())
           + f"  (8 vs 1: {agg[8] / agg[1]:.2f}x; 8 vs single process: {agg[8] / single['decode_tok_s']:.2f}x)")
+    cost = r2["backend_ms_per_token"]
+    cores = psutil.cpu_count()
+    ceiling = {k: cores * 1000 / v for k, v in cost.items()}
+    print("  backend CPU per decoded token, all hops: " + ", ".join(f"{k} sessions {v:.1f} ms" for k, v in cost.items())
+          + f"; {cores} cores cap 8 sessions at {ceiling[8]:.0f} tok/s ({ceiling[8] / agg[1]:.2f}x one session)")
     print(f"per-hop overhead with no-op hops: p50 {per_hop_p50:.3f} ms "
           f"(a bare two-process JetStream relay on this machine: {floor_ms:.3f} ms per leg; "
           f"{floor_think_ms:.3f} ms when each leg also waits {think_ms:.1f} ms for a backend thread)")
@@ -311,6 +330,8 @@ def main() -> int:
         "jetstream_relay_floor_with_backend_ms_p50": floor_think_ms,
         "aggregate_decode_tok_s": agg,
         "concurrent8_vs_single_ratio": agg[8] / agg[1],
+        "backend_ms_per_decode_token": cost,
+        "concurrent8_cpu_ceiling_tok_s": ceiling[8],
         f"prefill{big // 1024}k_route2_vs_single_ratio": prefill_time_ratio,
         "peak_rss_bytes": {name: r["peak_rss_bytes"] for name, r in contenders.items()} | {"single": single["rss_bytes"]},
     }
