@@ -390,6 +390,21 @@ def test_slots_are_limited_and_freed(tiny_gguf):
     full.close()
 
 
+def test_batch_rank_is_the_slot_so_waves_can_be_runs_of_neighbours(tiny_gguf):
+    # llama.cpp runs only consecutive sequence ids in one pass; the worker's head groups its
+    # decode waves by this rank (WorkerService._waves)
+    full = LlamaCppFullBackend(tiny_gguf, n_ctx=64, max_sessions=4, benchmark=False)
+    for sid in "abcd":
+        full.open_session(sid, 64)
+    assert [full.batch_rank(sid) for sid in "abcd"] == [0, 1, 2, 3]
+    full.close_session("b")
+    full.open_session("e", 64)  # the lowest free slot
+    assert full.batch_rank("e") == 1
+    with pytest.raises(UnknownSession):
+        full.batch_rank("b")
+    full.close()
+
+
 # -- construction, capability, registry ---------------------------------------------------------
 
 

@@ -99,6 +99,15 @@ class Backend(abc.ABC):
         self._state(session_id)
         return self._cache_bytes(session_id)
 
+    def batch_rank(self, session_id: str) -> int:
+        """Where the session sits for batching: steps of sessions with consecutive ranks batch best.
+
+        Most backends batch any set of sessions equally well (rank 0 for all); llama.cpp runs only
+        consecutive sequence ids in one pass (see `LlamaCppRangeBackend.batch_rank`).
+        """
+        self._state(session_id)
+        return 0
+
     # -- compute -----------------------------------------------------------------------------
 
     def prefill(self, session_id: str, position: int, x: np.ndarray) -> np.ndarray:

@@ -73,6 +73,10 @@ async def _settle(coro):
         return exc
 
 
+def _session_of(msg: Msg) -> str | None:
+    return (msg.headers or {}).get("session_id")
+
+
 class WorkerService:
     def __init__(self, nc: NATS, backend, tokenizer, report: M.CapabilityReport, options: WorkerOptions | None = None):
         self.nc = nc
@@ -351,10 +355,7 @@ class WorkerService:
             while self._decode_q or self._prefill_q:
                 try:
                     if self._decode_q:
-                        wave = self._wave_size()
-                        await self._gather_decode_batch(wave)
-                        batch = [self._decode_q.popleft() for _ in range(min(len(self._decode_q), wave))]
-                        await self._handle(batch, "decode")
+                        await self._handle(await self._next_wave(), "decode")
                     else:
                         await self._handle([self._prefill_q.popleft()], "prefill")
                 except asyncio.CancelledError:
@@ -362,43 +363,61 @@ class WorkerService:
                 except Exception:  # never let one message kill the loop
                     log.exception("worker %s: unexpected error while processing", self.node_id)
 
-    def _wave_size(self) -> int:
-        """How many decode steps run as one batch here: a wave.
+    def _waves(self) -> tuple[int, dict[str, int]]:
+        """The wave size, and the wave of each session this node is the head hop for.
 
         The decoding sessions are spread over as many waves as their route has hops, so that
         while one hop computes a wave the other hops have waves of their own to compute
         (pipelining), and each wave is one batched backend call (batching). One session, or one
-        per hop, means no batching and no waiting.
+        per hop, means no batching and no waiting. The head groups its sessions into waves in
+        `Backend.batch_rank` order, so a wave is a run of neighbouring slots (what llama.cpp can
+        run in one pass); sessions opened together hold the same neighbouring slots on every hop.
         """
         sessions = [s for s in self.sessions if s.phase == "decode" and not s.finished]
         if not sessions:
-            return 1
+            return 1, {}
         hops = max(len(s.route.hops) for s in sessions)
-        return max(1, min(self.opts.max_decode_batch, -(-len(sessions) // hops)))
+        wave = max(1, min(self.opts.max_decode_batch, -(-len(sessions) // hops)))
+        heads = sorted((s for s in sessions if s.is_head), key=lambda s: self.backend.batch_rank(s.session_id))
+        return wave, {s.session_id: i // wave for i, s in enumerate(heads)}
 
-    async def _gather_decode_batch(self, wave: int) -> None:
-        """Micro-batching: wait briefly until a whole wave of decode steps is queued here.
+    async def _next_wave(self) -> list[Msg]:
+        """Take the next wave of decode steps off the queue, waiting briefly for its stragglers.
 
-        Each decoding session has one step circling the ring. Hop 0 waits up to ``batch_wait_ms``
-        for a wave's steps, so they leave it together; later hops only wait a moment for the rest
-        of a wave. The ring then settles into one backend call per hop per wave, with the waves
-        following each other around the ring.
+        At the head, the wave is the one of the oldest queued step, and the head waits up to
+        ``batch_wait_ms`` for the rest of its members (steps of other waves stay queued, in
+        order). Later hops take the steps as they come, waiting only a moment for the rest of a
+        wave. The ring settles into one backend call per hop per wave, waves following each other
+        around the ring.
         """
-        if self.opts.batch_wait_ms <= 0 or len(self._decode_q) >= wave:
-            return
-        is_head = any(s.is_head for s in self.sessions if s.phase == "decode")
-        wait_ms = self.opts.batch_wait_ms if is_head else min(1.0, self.opts.batch_wait_ms)
+        wave, member = self._waves()
+        mine = member.get(_session_of(self._decode_q[0]))
+        if mine is None:  # not a session this node heads: waves arrive formed from upstream
+            target, wait_ms = wave, min(1.0, self.opts.batch_wait_ms)
+
+            def wanted(_m: Msg) -> bool:
+                return True
+        else:
+            target, wait_ms = sum(1 for w in member.values() if w == mine), self.opts.batch_wait_ms
+
+            def wanted(m: Msg) -> bool:
+                return member.get(_session_of(m)) == mine
+
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_ms / 1000.0
-        while len(self._decode_q) < wave:
+        while True:
+            picked = [m for m in self._decode_q if wanted(m)][:target]
             remaining = deadline - loop.time()
-            if remaining <= 0:
-                return
+            if len(picked) >= target or remaining <= 0:
+                break
             self._work.clear()
             try:
                 await asyncio.wait_for(self._work.wait(), remaining)
             except asyncio.TimeoutError:
-                return
+                pass
+        for m in picked:
+            self._decode_q.remove(m)
+        return picked
 
     def _admit(self, msg: Msg, phase: str) -> tuple[HopSession, M.ActivationHeader, np.ndarray] | None:
         """Decode and check one message; reject (and say so) before any model work."""
