@@ -53,7 +53,8 @@ def test_page_submits_a_prompt_and_shows_streamed_text_and_a_finished_state(swar
     wait.until(lambda d: "worker-1" in text("coverage"))
     coverage = text("coverage")
     assert "smollm2-135m (llama-cpp, 30 layers): 30 " in coverage  # every layer has a replica (one each here)
-    assert "worker-0 smollm2-135m 0–14 yes" in coverage and "worker-1 smollm2-135m 15–29 yes" in coverage
+    (a, b), (c, d) = (w.layers for w in swarm.workers)  # the work-balanced split: 0–18 | 19–29
+    assert f"worker-0 smollm2-135m {a}–{b - 1} yes" in coverage and f"worker-1 smollm2-135m {c}–{d - 1} yes" in coverage
 
     box = browser.find_element(By.ID, "prompt")
     box.send_keys("Write a short poem about the sea.")
