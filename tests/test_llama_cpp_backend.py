@@ -392,7 +392,7 @@ def test_slots_are_limited_and_freed(tiny_gguf):
 
 def test_batch_rank_is_the_slot_so_waves_can_be_runs_of_neighbours(tiny_gguf):
     # llama.cpp runs only consecutive sequence ids in one pass; the worker's head groups its
-    # decode waves by this rank (WorkerService._waves)
+    # decode waves by this rank (neuron_bus.worker.waves)
     full = LlamaCppFullBackend(tiny_gguf, n_ctx=64, max_sessions=4, benchmark=False)
     for sid in "abcd":
         full.open_session(sid, 64)

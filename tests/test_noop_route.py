@@ -2,7 +2,7 @@
 
 The no-op backend does no model work, so its decode calls are quicker than the hand-off to the
 backend thread; the worker runs them on its event loop. Eight sessions on two hops decode in two
-waves (`WorkerService._waves`), and every session still gets exactly its tokens.
+waves (`neuron_bus.worker.waves`), and every session still gets exactly its tokens.
 """
 
 from __future__ import annotations

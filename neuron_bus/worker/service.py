@@ -9,7 +9,8 @@
   published to the next hop (or, at the tail, sampled into a token that goes straight back to
   hop 0 as the next decode step) and the input is acknowledged only after the next stream
   accepted the output.
-- Decode steps that arrive together, across sessions, run as one batched backend call.
+- Decode steps of different sessions run in waves, one batched backend call per wave
+  (`neuron_bus.worker.waves`).
 
 The backend is driven through `workers.protocol.Backend` in one dedicated thread, so heartbeats
 and control requests stay responsive while the model computes.
@@ -43,6 +44,7 @@ from neuron_bus.worker.metrics import WorkerMetrics
 from neuron_bus.worker.node_telemetry import NodeTelemetry, neighbours
 from neuron_bus.worker.session_table import HopSession, SessionTable
 from neuron_bus.worker.snapshots import SnapshotStore
+from neuron_bus.worker.waves import DecodeWaves
 
 log = logging.getLogger("neuron_bus.worker")
 
@@ -73,10 +75,6 @@ async def _settle(coro):
         return exc
 
 
-def _session_of(msg: Msg) -> str | None:
-    return (msg.headers or {}).get("session_id")
-
-
 class WorkerService:
     def __init__(self, nc: NATS, backend, tokenizer, report: M.CapabilityReport, options: WorkerOptions | None = None):
         self.nc = nc
@@ -102,6 +100,7 @@ class WorkerService:
         self._decode_q: deque[Msg] = deque()
         self._prefill_q: deque[Msg] = deque()
         self._work = asyncio.Event()
+        self.waves = DecodeWaves(self._decode_q, self._work, self.opts.max_decode_batch, self.opts.batch_wait_ms)
         self._route_subs: dict[str, list] = {}
         self._tasks: list[asyncio.Task] = []
         self._subs: list = []
@@ -355,69 +354,13 @@ class WorkerService:
             while self._decode_q or self._prefill_q:
                 try:
                     if self._decode_q:
-                        await self._handle(await self._next_wave(), "decode")
+                        await self._handle(await self.waves.next(self.sessions, self.backend), "decode")
                     else:
                         await self._handle([self._prefill_q.popleft()], "prefill")
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # never let one message kill the loop
                     log.exception("worker %s: unexpected error while processing", self.node_id)
-
-    def _waves(self) -> tuple[int, dict[str, int]]:
-        """The wave size, and the wave of each session this node is the head hop for.
-
-        The decoding sessions are spread over as many waves as their route has hops, so that
-        while one hop computes a wave the other hops have waves of their own to compute
-        (pipelining), and each wave is one batched backend call (batching). One session, or one
-        per hop, means no batching and no waiting. The head groups its sessions into waves in
-        `Backend.batch_rank` order, so a wave is a run of neighbouring slots (what llama.cpp can
-        run in one pass); sessions opened together hold the same neighbouring slots on every hop.
-        """
-        sessions = [s for s in self.sessions if s.phase == "decode" and not s.finished]
-        if not sessions:
-            return 1, {}
-        hops = max(len(s.route.hops) for s in sessions)
-        wave = max(1, min(self.opts.max_decode_batch, -(-len(sessions) // hops)))
-        heads = sorted((s for s in sessions if s.is_head), key=lambda s: self.backend.batch_rank(s.session_id))
-        return wave, {s.session_id: i // wave for i, s in enumerate(heads)}
-
-    async def _next_wave(self) -> list[Msg]:
-        """Take the next wave of decode steps off the queue, waiting briefly for its stragglers.
-
-        At the head, the wave is the one of the oldest queued step, and the head waits up to
-        ``batch_wait_ms`` for the rest of its members (steps of other waves stay queued, in
-        order). Later hops take the steps as they come, waiting only a moment for the rest of a
-        wave. The ring settles into one backend call per hop per wave, waves following each other
-        around the ring.
-        """
-        wave, member = self._waves()
-        mine = member.get(_session_of(self._decode_q[0]))
-        if mine is None:  # not a session this node heads: waves arrive formed from upstream
-            target, wait_ms = wave, min(1.0, self.opts.batch_wait_ms)
-
-            def wanted(_m: Msg) -> bool:
-                return True
-        else:
-            target, wait_ms = sum(1 for w in member.values() if w == mine), self.opts.batch_wait_ms
-
-            def wanted(m: Msg) -> bool:
-                return member.get(_session_of(m)) == mine
-
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_ms / 1000.0
-        while True:
-            picked = [m for m in self._decode_q if wanted(m)][:target]
-            remaining = deadline - loop.time()
-            if len(picked) >= target or remaining <= 0:
-                break
-            self._work.clear()
-            try:
-                await asyncio.wait_for(self._work.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
-        for m in picked:
-            self._decode_q.remove(m)
-        return picked
 
     def _admit(self, msg: Msg, phase: str) -> tuple[HopSession, M.ActivationHeader, np.ndarray] | None:
         """Decode and check one message; reject (and say so) before any model work."""

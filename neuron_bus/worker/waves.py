@@ -1,0 +1,77 @@
+"""Decode waves: which queued decode steps a worker runs together as one backend call.
+
+Each decoding session has one step circling its route's ring. The decoding sessions are spread
+over as many waves as the route has hops, so that while one hop computes a wave the other hops
+have waves of their own to compute (pipelining), and each wave is one batched backend call
+(batching). One session, or one per hop, means no batching and no waiting.
+
+The head hop forms the waves: it groups its sessions in `Backend.batch_rank` order, so a wave is
+a run of neighbouring slots (llama.cpp runs only consecutive sequence ids in one pass, and
+sessions opened together hold the same neighbouring slots on every hop). It takes the wave of the
+oldest queued step and waits up to ``wait_ms`` for the rest of its members; steps of other waves
+stay queued, in order. Later hops take steps as they come, waiting only a moment for the rest of
+a wave. The ring settles into one backend call per hop per wave, waves following each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Iterable
+
+from nats.aio.msg import Msg
+
+LATER_HOP_WAIT_MS = 1.0  # a wave's steps leave the previous hop together: a moment is enough
+
+
+def _session_of(msg: Msg) -> str | None:
+    return (msg.headers or {}).get("session_id")
+
+
+class DecodeWaves:
+    def __init__(self, queue: deque[Msg], arrived: asyncio.Event, max_batch: int, wait_ms: float):
+        self.queue = queue  # decode steps as they arrived
+        self.arrived = arrived  # set whenever a step is queued
+        self.max_batch = max_batch
+        self.wait_ms = wait_ms
+
+    def plan(self, sessions: Iterable, backend) -> tuple[int, dict[str, int]]:
+        """The wave size, and the wave of each decoding session this node is the head hop for."""
+        decoding = [s for s in sessions if s.phase == "decode" and not s.finished]
+        if not decoding:
+            return 1, {}
+        hops = max(len(s.route.hops) for s in decoding)
+        size = max(1, min(self.max_batch, -(-len(decoding) // hops)))
+        heads = sorted((s for s in decoding if s.is_head), key=lambda s: backend.batch_rank(s.session_id))
+        return size, {s.session_id: i // size for i, s in enumerate(heads)}
+
+    async def next(self, sessions: Iterable, backend) -> list[Msg]:
+        """Take the next wave off the queue (which must not be empty), waiting briefly for stragglers."""
+        size, wave_of = self.plan(sessions, backend)
+        mine = wave_of.get(_session_of(self.queue[0]))
+        if mine is None:  # not a session this node heads: waves arrive formed from upstream
+            target, wait_ms = size, min(LATER_HOP_WAIT_MS, self.wait_ms)
+
+            def wanted(_m: Msg) -> bool:
+                return True
+        else:
+            target, wait_ms = sum(1 for w in wave_of.values() if w == mine), self.wait_ms
+
+            def wanted(m: Msg) -> bool:
+                return wave_of.get(_session_of(m)) == mine
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_ms / 1000.0
+        while True:
+            picked = [m for m in self.queue if wanted(m)][:target]
+            remaining = deadline - loop.time()
+            if len(picked) >= target or remaining <= 0:
+                break
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        for m in picked:
+            self.queue.remove(m)
+        return picked

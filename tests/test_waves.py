@@ -1,0 +1,102 @@
+"""Decode waves (neuron_bus.worker.waves): which queued steps a worker runs as one backend call.
+
+Real session-table entries, real NATS message objects (as the consumer delivers them) and a real
+llama.cpp backend over a tiny GGUF, whose slots give the batch ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+import pytest
+from nats.aio.msg import Msg
+
+from neuron_bus import messages as M
+from neuron_bus.worker.session_table import HopSession
+from neuron_bus.worker.waves import DecodeWaves
+from workers.llama_cpp_full import LlamaCppFullBackend
+
+
+def route(hops: int) -> M.RouteAssignment:
+    return M.RouteAssignment(
+        route_id="r", model_preset="m", model_revision="v", n_layers_total=hops,
+        hops=[M.RouteHop(node_id=f"n{i}", layer_start=i, layer_end=i + 1, subject="", backend_id="b", cache_abi="a") for i in range(hops)],
+    )
+
+
+def decoding(session_id: str, hop_index: int, hops: int = 2) -> HopSession:
+    open_ = M.SessionOpen(session_id=session_id, route=route(hops), hop_index=hop_index, prompt_tokens=4, n_ctx=64)
+    return HopSession(open=open_, node_id=f"n{hop_index}", position=4)  # past its prompt: decoding
+
+
+def step(session_id: str) -> Msg:
+    return Msg(_client=None, subject="neuron.act.r.0.decode", headers={"session_id": session_id}, data=b"")
+
+
+@pytest.fixture
+def backend(tiny_gguf):
+    b = LlamaCppFullBackend(tiny_gguf, n_ctx=64, max_sessions=4, benchmark=False)
+    for sid in ("c", "a", "d", "b"):  # slots 0, 1, 2, 3
+        b.open_session(sid, 64)
+    yield b
+    b.close()
+
+
+def test_the_head_groups_its_sessions_into_runs_of_neighbouring_slots(backend):
+    sessions = [decoding(sid, 0) for sid in "abcd"]
+    waves = DecodeWaves(deque(), asyncio.Event(), max_batch=8, wait_ms=10)
+    size, wave_of = waves.plan(sessions, backend)
+    assert size == 2  # four sessions over a two-hop ring: two waves, one per hop
+    assert wave_of == {"c": 0, "a": 0, "d": 1, "b": 1}
+    assert waves.plan(sessions[:1], backend)[0] == 1  # one session: nothing to batch
+    assert waves.plan([decoding(sid, 0, hops=3) for sid in "abcd"], backend)[0] == 2  # ceil(4 / 3)
+    assert DecodeWaves(deque(), asyncio.Event(), max_batch=3, wait_ms=10).plan(
+        [decoding(sid, 0, hops=1) for sid in "abcd"], backend
+    )[0] == 3  # capped
+    finished = decoding("a", 0)
+    finished.finished = True
+    assert "a" not in waves.plan([finished, *sessions[1:]], backend)[1]
+
+
+def test_the_head_takes_the_oldest_steps_wave_and_waits_for_its_straggler(backend):
+    async def run():
+        queue = deque([step("d"), step("c"), step("a")])
+        arrived = asyncio.Event()
+        waves = DecodeWaves(queue, arrived, max_batch=8, wait_ms=2000)
+        sessions = [decoding(sid, 0) for sid in "abcd"]
+
+        def straggler():
+            queue.append(step("b"))
+            arrived.set()
+
+        asyncio.get_running_loop().call_later(0.05, straggler)
+        picked = await waves.next(sessions, backend)
+        return [m.headers["session_id"] for m in picked], [m.headers["session_id"] for m in queue]
+
+    picked, left = asyncio.run(run())
+    assert picked == ["d", "b"]  # d's wave (slots 2, 3), once b's step arrived
+    assert left == ["c", "a"]  # the other wave stays queued, in order
+
+
+def test_a_missing_member_holds_the_wave_only_for_the_wait(backend):
+    async def run():
+        queue = deque([step("d")])
+        waves = DecodeWaves(queue, asyncio.Event(), max_batch=8, wait_ms=30)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        picked = await waves.next([decoding(sid, 0) for sid in "abcd"], backend)
+        return [m.headers["session_id"] for m in picked], loop.time() - t0
+
+    picked, waited = asyncio.run(run())
+    assert picked == ["d"] and waited >= 0.03
+
+
+def test_later_hops_take_steps_in_arrival_order(backend):
+    async def run():
+        queue = deque([step(sid) for sid in "dcab"])
+        waves = DecodeWaves(queue, asyncio.Event(), max_batch=8, wait_ms=10)
+        picked = await waves.next([decoding(sid, 1) for sid in "abcd"], backend)
+        return [m.headers["session_id"] for m in picked], len(queue)
+
+    assert asyncio.run(run()) == (["d", "c"], 2)
