@@ -297,8 +297,8 @@ def main() -> int:
     cost = r2["backend_ms_per_token"]
     cores = psutil.cpu_count()
     ceiling = {k: cores * 1000 / v for k, v in cost.items()}
-    print("  backend CPU per decoded token, all hops: " + ", ".join(f"{k} sessions {v:.1f} ms" for k, v in cost.items())
-          + f"; {cores} cores cap 8 sessions at {ceiling[8]:.0f} tok/s ({ceiling[8] / agg[1]:.2f}x one session)")
+    print("  backend time per decoded token, all hops: " + ", ".join(f"{k} sessions {v:.1f} ms" for k, v in cost.items())
+          + f"; at that cost {cores} cores cap 8 sessions at {ceiling[8]:.0f} tok/s ({ceiling[8] / agg[1]:.2f}x one session)")
     print(f"per-hop overhead with no-op hops: p50 {per_hop_p50:.3f} ms "
           f"(a bare two-process JetStream relay on this machine: {floor_ms:.3f} ms per leg; "
           f"{floor_think_ms:.3f} ms when each leg also waits {think_ms:.1f} ms for a backend thread)")
