@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import pytest
 
@@ -11,6 +10,7 @@ from neuron_bus import messages as M
 from neuron_bus.client import NeuronClient
 from neuron_bus.local_swarm import LocalSwarm
 from neuron_bus.natsserver import free_port
+from tests.prom import counter
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -20,14 +20,6 @@ PROMPTS = [
     "def fibonacci(n):",
     "Les montagnes des Alpes sont",
 ]
-
-
-def counter(port: int, name: str, phase: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith(f'{name}{{phase="{phase}"}}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def test_concurrent_sessions_batch_decode_and_match_their_solo_runs(smollm2_path, tmp_path):

@@ -8,7 +8,6 @@ waves (`neuron_bus.worker.waves`), and every session still gets exactly its toke
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import pytest
 
@@ -16,16 +15,9 @@ from neuron_bus import messages as M
 from neuron_bus.client import NeuronClient
 from neuron_bus.local_swarm import LocalSwarm
 from neuron_bus.natsserver import free_port
+from tests.prom import counter
 
 pytestmark = [pytest.mark.timeout(300)]
-
-
-def counter(port: int, name: str, phase: str = "decode") -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    for line in text.splitlines():
-        if line.startswith(f'{name}{{phase="{phase}"}}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def test_noop_route_decodes_inline_in_waves(smollm2_path, tmp_path):
