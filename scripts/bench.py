@@ -67,22 +67,47 @@ def bench_single(model_path: Path, threads: int, ids_by_size: dict[int, list[int
             out["prefill_tok_s"][n] = n / dt
             out["ttft_s"][n] = dt
         ids = ids_by_size[min(ids_by_size)]
-        best = 0.0
-        for _ in range(2):
-            backend.open_session("d", len(ids) + n_decode + 8)
-            logits = backend.prefill("d", 0, np.asarray(ids, dtype=np.int32))
-            tok = int(np.argmax(logits))
-            t0 = time.perf_counter()
-            for i in range(n_decode):
-                logits = backend.decode_step("d", len(ids) + i, np.array([tok], dtype=np.int32))
-                tok = int(np.argmax(logits))
-            best = max(best, n_decode / (time.perf_counter() - t0))
-            backend.close_session("d")
-        out["decode_tok_s"] = best
+        out["decode_tok_s"] = max(single_decode_rate(backend, ids, n_decode) for _ in range(2))
         out["rss_bytes"] = psutil.Process().memory_info().rss
     finally:
         backend.close()
     return out
+
+
+def single_decode_rate(backend, ids: list[int], n_decode: int) -> float:
+    """Greedy decode tok/s of one session on a whole-model backend, after prefilling ``ids``."""
+    backend.open_session("d", len(ids) + n_decode + 8)
+    try:
+        logits = backend.prefill("d", 0, np.asarray(ids, dtype=np.int32))
+        tok = int(np.argmax(logits))
+        t0 = time.perf_counter()
+        for i in range(n_decode):
+            logits = backend.decode_step("d", len(ids) + i, np.array([tok], dtype=np.int32))
+            tok = int(np.argmax(logits))
+        return n_decode / (time.perf_counter() - t0)
+    finally:
+        backend.close_session("d")
+
+
+def paired_decode(model_path: Path, threads: int, ids: list[int], n_decode: int, workdir: Path, pairs: int = 3) -> list:
+    """[(single-process tok/s, 2-hop route tok/s)], measured alternately, back to back.
+
+    One session's route decode drifts with the machine's state more than the single process
+    does; pairs measured seconds apart give a ratio that drift cannot skew.
+    """
+    from workers.llama_cpp_full import LlamaCppFullBackend
+
+    async def route_rate(url: str) -> float:
+        async with await NeuronClient.connect(url) as client:
+            return decode_rate(await generation(client, await client.route(), ids, n_decode))
+
+    backend = LlamaCppFullBackend(model_path, n_threads=threads, n_ctx=len(ids) + n_decode + 8, max_sessions=1)
+    try:
+        with LocalSwarm(model_path, 2, threads=threads, workdir=workdir / "paired") as swarm:
+            asyncio.run(route_rate(swarm.url))  # warm-up
+            return [(single_decode_rate(backend, ids, n_decode), asyncio.run(route_rate(swarm.url))) for _ in range(pairs)]
+    finally:
+        backend.close()
 
 
 # ------------------------------------------------------------------------------ routes
@@ -260,6 +285,8 @@ def main() -> int:
         )
         print(f"  {name} done ({time.time() - t:.0f}s)", flush=True)
 
+    paired = paired_decode(model_path, args.threads, ids_by_size[min(sizes)], n_decode, work)
+    paired_ratios = [r / s for s, r in paired]
     floor_ms = jetstream_floor.measure()
     think_ms = 1000 / single["decode_tok_s"] / 2  # each hop of a 2-hop route computes about half a token
     floor_think_ms = jetstream_floor.measure(300, think_ms)
@@ -299,6 +326,9 @@ def main() -> int:
     ceiling = {k: cores * 1000 / v for k, v in cost.items()}
     print("  backend time per decoded token, all hops: " + ", ".join(f"{k} sessions {v:.1f} ms" for k, v in cost.items())
           + f"; at that cost {cores} cores cap 8 sessions at {ceiling[8]:.0f} tok/s ({ceiling[8] / agg[1]:.2f}x one session)")
+    print("2-hop decode vs single process, measured alternately: "
+          + ", ".join(f"{r:.1f}/{s:.1f} = {r / s:.2f}x" for s, r in paired)
+          + f"  (median {statistics.median(paired_ratios):.2f}x)")
     print(f"per-hop overhead with no-op hops: p50 {per_hop_p50:.3f} ms "
           f"(a bare two-process JetStream relay on this machine: {floor_ms:.3f} ms per leg; "
           f"{floor_think_ms:.3f} ms when each leg also waits {think_ms:.1f} ms for a backend thread)")
@@ -323,6 +353,8 @@ def main() -> int:
         "route3_ttft_s": r3["ttft_s"],
         "route2_vs_single_decode_ratio": r2["decode_tok_s"] / single["decode_tok_s"],
         "route3_vs_single_decode_ratio": r3["decode_tok_s"] / single["decode_tok_s"],
+        "route2_vs_single_decode_paired": [{"single_tok_s": s, "route2_tok_s": r} for s, r in paired],
+        "route2_vs_single_decode_ratio_paired_median": statistics.median(paired_ratios),
         "decode_seam_bytes_per_token": r2["decode_seam_bytes_per_token"],
         "prefill_seam_bytes_per_token": r2["prefill_seam_bytes_per_token"],
         "per_hop_overhead_ms_p50": per_hop_p50,
