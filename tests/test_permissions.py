@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import nats
 import pytest
@@ -90,13 +92,24 @@ def test_observer_can_read_telemetry_and_cannot_publish_activations_or_assignmen
     assert json.loads(r["stored"])["session_id"] == "s1"
 
 
-def _wait_ready(proc) -> str:
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if "ready" in line:
-            return line
-    raise AssertionError("server exited: " + "".join(seen))
+@contextlib.contextmanager
+def cli_server(store: Path, *options: str):
+    """`neuron-bus server` as a process on free ports, ready; yields (process, client port)."""
+    port, http = free_port(), free_port()
+    proc = subprocess.Popen(cli() + ["server", "--port", str(port), "--http-port", str(http), "--store-dir", str(store), *options],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "ready" in line:
+                break
+        else:
+            raise AssertionError("server exited: " + "".join(seen))
+        yield proc, port
+    finally:
+        proc.terminate()
+        proc.wait(20)
 
 
 def test_wrong_password_is_refused(auth_server):
@@ -122,12 +135,7 @@ def test_permissions_command_writes_users_and_server_enforces_them(tmp_path):
     text = out.read_text()
     for role in ROLES:
         assert f'user: "{role}"' in text
-    port, http = free_port(), free_port()
-    proc = subprocess.Popen(cli() + ["server", "--port", str(port), "--http-port", str(http), "--store-dir",
-                                     str(tmp_path / "store"), "--auth", str(out), "--password-file", str(pw)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_ready(proc)
+    with cli_server(tmp_path / "store", "--auth", str(out), "--password-file", str(pw)) as (proc, port):
         topo = proc.stdout.readline()
         assert "NEURON_AUDIT" in topo and "neuron-flags" in topo
 
@@ -142,9 +150,6 @@ def test_permissions_command_writes_users_and_server_enforces_them(tmp_path):
                 await nc.close()
 
         assert asyncio.run(as_worker()) == b"{}"
-    finally:
-        proc.terminate()
-        proc.wait(20)
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
@@ -155,12 +160,7 @@ def test_server_serves_tls_with_a_self_signed_certificate(tmp_path):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True, timeout=60)
-    port, http = free_port(), free_port()
-    proc = subprocess.Popen(cli() + ["server", "--port", str(port), "--http-port", str(http), "--store-dir",
-                                     str(tmp_path / "store"), "--tls-cert", str(cert), "--tls-key", str(key)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        _wait_ready(proc)
+    with cli_server(tmp_path / "store", "--tls-cert", str(cert), "--tls-key", str(key)) as (_proc, port):
 
         async def roundtrip():
             ctx = ssl.create_default_context(cafile=str(cert))
@@ -171,6 +171,3 @@ def test_server_serves_tls_with_a_self_signed_certificate(tmp_path):
                 await nc.close()
 
         assert asyncio.run(roundtrip()) == S.STREAM_VALIDATION
-    finally:
-        proc.terminate()
-        proc.wait(20)
