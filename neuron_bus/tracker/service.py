@@ -177,11 +177,11 @@ class TrackerService:
 
     async def route(self, req: RouteRequest) -> messages.RouteAssignment | RouteRejection:
         """Plan, publish and record a route, or say why not."""
-        result = plan_route(req, self.trust.mark(self.registry.views(_mono())), self.params)
+        result = plan_route(req, self._views(), self.params)
         waited = _mono() - (self._started_at or 0.0)
         if isinstance(result, Rejection) and waited < self.params.warmup:
             await asyncio.sleep(self.params.warmup - waited)  # just (re)started: heartbeats are coming
-            result = plan_route(req, self.trust.mark(self.registry.views(_mono())), self.params)
+            result = plan_route(req, self._views(), self.params)
         if isinstance(result, Rejection):
             log.info("route request %s rejected: %s", req.request_id, "; ".join(result.reasons))
             return to_rejection(result, req)
@@ -210,8 +210,12 @@ class TrackerService:
             return
         await msg.respond(messages.encode(await self.route(req)))
 
+    def _views(self) -> list:
+        """The live node views, with the audit flags set: what routes and coverage both see."""
+        return self.trust.mark(self.registry.views(_mono()))
+
     def coverage(self, model_preset: str | None = None) -> messages.CoverageReport:
-        return coverage_report(self.registry.views(_mono()), time.time(), self.params, model_preset)
+        return coverage_report(self._views(), time.time(), self.params, model_preset)
 
     async def _on_coverage(self, msg) -> None:
         try:
