@@ -24,6 +24,7 @@ import msgspec
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
+from neuron_bus.errors import NeuronBusError, RouteError
 from neuron_bus.tracker.planner import TRUSTED_TIERS, hop_subject
 
 REPAIR_TIMEOUT_S = 20.0
@@ -38,7 +39,7 @@ def repaired_route(route: M.RouteAssignment, hop_index: int, node: M.TrackedNode
         if i == hop_index:
             h = M.RouteHop(
                 node_id=node.node_id, layer_start=node.layer_start, layer_end=node.layer_end, subject="",
-                backend_id=node.backend_id, cache_abi=node.cache_abi,
+                backend_id=node.backend_id, cache_abi=node.cache_abi, trust_tier=node.trust_tier,
             )
         hops.append(msgspec.structs.replace(h, subject=hop_subject(route_id, i)))
     return msgspec.structs.replace(route, route_id=route_id, hops=hops, created_at=time.time())
@@ -72,8 +73,6 @@ async def repair(
 
     ``session`` is hop 0's open request (the session's prompt size, n_ctx, chunking, sampling).
     """
-    from neuron_bus.errors import RouteError
-
     def fail(reason: str, message: str, node: str | None = dead) -> RouteError:
         return RouteError(reason, message, phase="decode", node_id=node)
 
@@ -81,9 +80,8 @@ async def repair(
     if index is None:
         raise fail("repair_failed", f"node {dead} is not on route {route.route_id}")
     try:
-        msg = await client.nc.request(S.TRACKER_COVERAGE, M.encode(M.CoverageRequest(model_preset=route.model_preset)), timeout=10)
-        report = M.decode(msg.data, M.CoverageReport)
-    except Exception as exc:
+        report = await client.coverage(route.model_preset, timeout=10)
+    except NeuronBusError as exc:
         raise fail("no_tracker", f"no coverage map for a replacement of {dead}: {exc}") from None
     node = pick_replacement(report, route, route.hops[index], exclude | {dead})
     if node is None:
