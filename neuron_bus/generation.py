@@ -71,6 +71,7 @@ class GenerationRun:
         self.opened: list[str] = []  # nodes holding the session
         self.sender: asyncio.Task | None = None
         self.watcher: asyncio.Task | None = None
+        self.heartbeat_subs: list = []  # the current route's nodes' heartbeats (the watcher's)
         self.generated: list[int] = []  # token ids delivered, in order
         self.lost: set[str] = set()
         self.retries = self.repairs = 0
@@ -158,6 +159,7 @@ class GenerationRun:
         """Point telemetry and the liveness watch at the current route."""
         if self.watcher:
             self.watcher.cancel()
+        await self._unsubscribe(self.heartbeat_subs)
         self.progress.route_id = self.route.route_id
         self.progress.nodes = [h.node_id for h in self.route.hops]
         self.watcher = await self._watch_nodes(self.progress.nodes)
@@ -173,7 +175,7 @@ class GenerationRun:
             return cb
 
         for node in seen:
-            self.subs.append(await self.client.nc.subscribe(S.node_heartbeat(node), cb=beat(node)))
+            self.heartbeat_subs.append(await self.client.nc.subscribe(S.node_heartbeat(node), cb=beat(node)))
 
         async def watch() -> None:
             while True:
@@ -285,9 +287,14 @@ class GenerationRun:
 
     async def _close(self) -> None:
         self._cancel_tasks()
-        for sub in self.subs:
-            await sub.unsubscribe()
+        await self._unsubscribe(self.subs)
+        await self._unsubscribe(self.heartbeat_subs)
         await self._close_sessions()
+
+    @staticmethod
+    async def _unsubscribe(subs: list) -> None:
+        while subs:
+            await subs.pop().unsubscribe()
 
     async def _publish_progress(self) -> None:
         await self.client.js.publish(self.progress.subject, M.encode(self.progress.snapshot()))

@@ -147,17 +147,11 @@ class Bus:
             prompt_tokens=p.prompt_tokens, route=p.route, sampling=p.req.sampling, model_preset=p.req.model,
             chunk_size=self.chunk_size, policy=p.req.policy,
         )
-        seen: set[tuple] = set()  # the client yields its own telemetry and hears it again on the bus
         try:
             async with aclosing(gen):
                 async for event in gen:
                     if isinstance(event, M.TokenDelta):
                         self.metrics.tokens.labels("completion").inc()
-                    else:
-                        key = (event.ts, event.phase, event.prefill_tokens_done, event.generated_tokens)
-                        if key in seen:
-                            continue
-                        seen.add(key)
                     yield event
         except RouteError as exc:
             self.metrics.errors.labels("generation", exc.reason).inc()
