@@ -20,7 +20,6 @@ class NoopBackend(Backend):
         super().__init__(
             layer_start=layer_start, layer_end=layer_end, n_layers=n_layers, hidden_size=hidden_size, vocab_size=vocab_size
         )
-        self._open_ctx: dict[str, int] = {}
         self._logits = np.zeros(vocab_size, dtype=np.float32)
         self._logits[0] = 1.0
 
@@ -33,10 +32,10 @@ class NoopBackend(Backend):
         )
 
     def _open(self, session_id: str, n_ctx: int) -> None:
-        self._open_ctx[session_id] = n_ctx
+        pass  # no cache: the base class keeps the session table
 
     def _close(self, session_id: str) -> None:
-        del self._open_ctx[session_id]
+        pass
 
     def _cache_bytes(self, session_id: str) -> int:
         return 0

@@ -43,7 +43,7 @@ from neuron_bus.worker.audit_trail import AuditTrail
 from neuron_bus.worker.metrics import WorkerMetrics
 from neuron_bus.worker.node_telemetry import NodeTelemetry, neighbours
 from neuron_bus.worker.session_table import HopSession, SessionTable
-from neuron_bus.worker.snapshots import SnapshotStore
+from neuron_bus.worker.snapshots import SnapshotStore, object_name
 from neuron_bus.worker.waves import DecodeWaves
 
 log = logging.getLogger("neuron_bus.worker")
@@ -213,16 +213,21 @@ class WorkerService:
         cache_bytes = await self._call(self.backend.open_session, req.session_id, req.n_ctx)
         s = HopSession(open=req, node_id=self.node_id)
         if s.is_tail:
-            s.decoder = self.tokenizer.stream_decoder()
-            s.progress = GenerationProgress(
-                req.session_id, route.route_id, route.model_preset, [h.node_id for h in route.hops], req.prompt_tokens
-            )
+            self._start_tail(s)
         self.sessions.add(s)
         await self._bind(route, req.hop_index)
         self._update_gauges()
         return M.SessionOpened(
             session_id=req.session_id, route_id=route.route_id, node_id=self.node_id,
             hop_index=req.hop_index, layer_start=hop.layer_start, layer_end=hop.layer_end, cache_bytes=cache_bytes,
+        )
+
+    def _start_tail(self, s: HopSession) -> None:
+        """The tail's own state: the text decoder and the generation's telemetry."""
+        o = s.open
+        s.decoder = self.tokenizer.stream_decoder()
+        s.progress = GenerationProgress(
+            o.session_id, o.route.route_id, o.route.model_preset, [h.node_id for h in o.route.hops], o.prompt_tokens
         )
 
     async def _resume(self, req: M.SessionResume) -> M.SessionResumed:
@@ -238,7 +243,7 @@ class WorkerService:
                 raise ValueError(f"session {o.session_id} is already open here; only a replacement restores")
             meta, blob = await self.snapshots.find(o.session_id, req.position)
             await self._call(self.backend.import_state, o.session_id, o.n_ctx, meta.position, blob)
-            position, snapshot = meta.position, f"{meta.session_id}/{meta.layer_start}-{meta.layer_end}/{meta.position}"
+            position, snapshot = meta.position, object_name(meta)
         else:
             if old is None:  # e.g. this node restarted: its hot KV is gone
                 raise NeuronBusError("unknown_session", f"{self.node_id} holds no session {o.session_id}")
@@ -246,13 +251,10 @@ class WorkerService:
             position = req.position
         s = HopSession(open=o, node_id=self.node_id, position=position, replay_end=req.replay_end)
         if s.is_tail:
+            self._start_tail(s)
             s.generated = list(req.generated)
-            s.decoder = self.tokenizer.stream_decoder()
             s.text = "".join(s.decoder.push(t) for t in s.generated)
             s.ring_seq_base = -(-(req.replay_end - position) // o.chunk_size) - len(s.generated)
-            s.progress = GenerationProgress(
-                o.session_id, o.route.route_id, o.route.model_preset, [h.node_id for h in o.route.hops], o.prompt_tokens
-            )
             s.progress.prefill(o.prompt_tokens)
             s.progress.generated = len(s.generated)
         self.sessions.add(s)  # replaces the old route's entry: its stray messages are now wrong_route
@@ -559,7 +561,7 @@ class WorkerService:
             top = {self.tokenizer.piece(t).decode("utf-8", "replace"): lp for t, lp in pick.top_logprobs.items()}
         delta = M.TokenDelta(
             session_id=s.session_id, index=index, token_id=pick.token_id, text=text,
-            logprob=pick.logprob if params.logprobs else None, top_logprobs=top,
+            logprob=pick.logprob, top_logprobs=top,
             finished=finish is not None, finish_reason=finish,
         )
         token = publish(self.js, S.session_tokens(s.session_id), M.encode(delta))
@@ -568,12 +570,10 @@ class WorkerService:
             headers, body = codec.encode(head, np.array([pick.token_id], dtype=np.int32))
             await asyncio.gather(publish(self.js, S.hop_input(s.route.route_id, 0, "decode"), body, headers), token)
             self.metrics.seam("decode", "out", len(body))
-        else:
-            await token
-        if finish is None:
             if s.progress.due():
                 await self._telemetry(s)
         else:
+            await token
             s.finished = True
             await self.trail.validation(s.open, s.generated, finish)
             s.progress.finish("done")
