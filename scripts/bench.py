@@ -228,14 +228,14 @@ def bench_route(
         pids = {n: p.pid for n, p in swarm.procs.items() if n.startswith("worker")}
         seam0 = {ph: scrape(ports[0], "neuron_seam_bytes_total", phase=ph, direction="out") for ph in ("prefill", "decode")}
         msgs0 = scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out")
+        prompt0 = scrape(ports[0], "neuron_tokens_total", phase="prefill")
         with RssSampler(pids) as rss:
             out = asyncio.run(route_figures(swarm.url, ids_by_size, n_decode, concurrency, ports))
         seam = {ph: scrape(ports[0], "neuron_seam_bytes_total", phase=ph, direction="out") - seam0[ph] for ph in seam0}
         msgs = scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out") - msgs0
-        prompt_positions = sum(len(v) for v in ids_by_size.values()) + 32 + len(ids_by_size[min(ids_by_size)]) * 2
-        prompt_positions += sum(64 + i for k in concurrency for i in range(k))
+        prompt_positions = scrape(ports[0], "neuron_tokens_total", phase="prefill") - prompt0  # every prompt hop 0 took
     out["decode_seam_bytes_per_token"] = seam["decode"] / max(msgs, 1)
-    out["prefill_seam_bytes_per_token"] = seam["prefill"] / prompt_positions
+    out["prefill_seam_bytes_per_token"] = seam["prefill"] / max(prompt_positions, 1)
     out["peak_rss_bytes"] = rss.peak
     return out
 
@@ -367,8 +367,6 @@ def main() -> int:
         f"prefill{big // 1024}k_route2_vs_single_ratio": prefill_time_ratio,
         "peak_rss_bytes": {name: r["peak_rss_bytes"] for name, r in contenders.items()} | {"single": single["rss_bytes"]},
     }
-    if big == 4096:
-        result["prefill4k_route2_vs_single_ratio"] = prefill_time_ratio
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"\nwrote {args.json}")
