@@ -64,7 +64,6 @@ class LocalSwarm:
         self.model_path = Path(model_path)
         self.preset = preset_for(self.model_path)
         model = GGUFModel(self.model_path)
-        self.n_layers = model.n_layers
         self.backend = backend
         self.threads = threads
         self.workdir = Path(workdir)
@@ -91,7 +90,6 @@ class LocalSwarm:
                 ))
                 for i, p in enumerate(routes_)
             ]
-        self.server = self.servers[0]
         self.prefill_window = prefill_window
         self.from_store = from_store  # publish the model to the shard swarm; workers fetch their range
         self.artifact_id: str | None = None

@@ -8,16 +8,13 @@ split gives the tail fewer layers. One session's latency is the sum over hops an
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from neuron_bus.artifacts.gguf_model import GGUFModel
 from neuron_bus.trust.work import owned_layer_work
 
 
-def layer_work(model: GGUFModel | str | Path) -> list[float]:
+def layer_work(model: GGUFModel) -> list[float]:
     """Work per token of each layer (millions of weights); the last layer carries the output head."""
-    m = model if isinstance(model, GGUFModel) else GGUFModel(Path(model))
-    return [owned_layer_work(m, i, i + 1, m.n_layers) for i in range(m.n_layers)]
+    return [owned_layer_work(model, i, i + 1, model.n_layers) for i in range(model.n_layers)]
 
 
 def balanced_split(work: list[float], shards: int) -> list[tuple[int, int]]:

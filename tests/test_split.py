@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from neuron_bus.artifacts.gguf_model import GGUFModel
 from neuron_bus.local_swarm import LocalSwarm
 from neuron_bus.split import balanced_split, layer_work
 
@@ -42,7 +43,7 @@ def test_bad_shard_counts_are_refused():
 
 
 def test_the_tail_of_a_real_model_gets_fewer_layers(smollm2_path, tmp_path):
-    work = layer_work(smollm2_path)
+    work = layer_work(GGUFModel(smollm2_path))
     assert len(work) == 30
     assert work[-1] > 8 * work[0]  # the last layer carries the 49152 x 576 output head
     ranges = balanced_split(work, 2)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from neuron_bus.artifacts.gguf_model import GGUFModel
+from neuron_bus.artifacts.gguf_model import OUTPUT, TOKEN_EMBD, GGUFModel
 
 
 def owned_layer_work(model: GGUFModel | str | Path, layer_start: int, layer_end: int, n_layers: int | None = None) -> float:
@@ -25,7 +25,7 @@ def owned_layer_work(model: GGUFModel | str | Path, layer_start: int, layer_end:
     total = m.n_layers if n_layers is None else n_layers
     weights = sum(math.prod(t.shape) for t in m.layer_tensors(layer_start, layer_end))
     if layer_end == total:
-        head = m.by_name.get("output.weight") or m.by_name.get("token_embd.weight")
+        head = m.by_name.get(OUTPUT) or m.by_name.get(TOKEN_EMBD)
         if head is not None:
             weights += math.prod(head.shape)
     return weights / 1e6
