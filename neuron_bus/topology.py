@@ -198,11 +198,20 @@ async def ensure_topology(
         except (NotFoundError, nats.js.errors.BucketNotFoundError):
             await js.create_key_value(kv)
     for obj in topo.objects:
-        try:
-            await js.object_store(obj.bucket)
-        except (NotFoundError, nats.js.errors.BucketNotFoundError):
-            await js.create_object_store(obj.bucket, config=obj)
+        await object_store(js, obj.bucket)
     return topo
+
+
+async def object_store(js: JetStreamContext, bucket: str, create: bool = True):
+    """One of the project's object buckets, created with its topology config when missing
+    (``create=False``: the bucket's absence raises ``BucketNotFoundError``)."""
+    try:
+        return await js.object_store(bucket)
+    except (NotFoundError, nats.js.errors.BucketNotFoundError):
+        if not create:
+            raise nats.js.errors.BucketNotFoundError from None
+    cfg = next(o for o in topology().objects if o.bucket == bucket)
+    return await js.create_object_store(bucket, config=cfg)
 
 
 def _reachable(servers: list[str], timeout: float = 3.0) -> bool:

@@ -37,7 +37,7 @@ from neuron_bus.artifacts.plan import Plan, plan
 from neuron_bus.artifacts.slicing import slice_gguf
 from neuron_bus.artifacts.verify import verify
 from neuron_bus.messages import ArtifactManifest, PieceHash
-from neuron_bus.topology import topology
+from neuron_bus.topology import object_store
 
 
 def manifest_object(artifact_id: str) -> str:
@@ -55,12 +55,9 @@ def slice_name(manifest: ArtifactManifest, start: int, end: int) -> str:
 async def artifact_store(js: JetStreamContext, create: bool = True) -> ObjectStore:
     """The artifacts bucket, created with the project's topology config when missing."""
     try:
-        return await js.object_store(S.OBJ_ARTIFACTS)
-    except (BucketNotFoundError, NotFoundError):
-        if not create:
-            raise ArtifactError("no_store", f"the object bucket {S.OBJ_ARTIFACTS} does not exist") from None
-    cfg = next(o for o in topology().objects if o.bucket == S.OBJ_ARTIFACTS)
-    return await js.create_object_store(S.OBJ_ARTIFACTS, config=cfg)
+        return await object_store(js, S.OBJ_ARTIFACTS, create)
+    except BucketNotFoundError:
+        raise ArtifactError("no_store", f"the object bucket {S.OBJ_ARTIFACTS} does not exist") from None
 
 
 def _object_digest(sha256_hex: str) -> str:

@@ -29,7 +29,7 @@ from nats.js.api import ObjectMeta
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import NeuronBusError
-from neuron_bus.topology import connect, topology
+from neuron_bus.topology import connect, object_store
 
 log = logging.getLogger("neuron_bus.worker.snapshots")
 
@@ -81,16 +81,11 @@ class SnapshotStore:
 
     async def _open(self) -> None:
         """Connect (a separate cache server: retry until it answers) and make sure the bucket exists."""
-        cfg = next(o for o in topology().objects if o.bucket == S.OBJ_SNAPSHOTS)
         while True:
             try:
                 if self._nc is None:
                     self._nc = await connect(self.url, name=f"neuron-snapshots-{self.report.node_id}")
-                js = self._nc.jetstream()
-                try:
-                    self._store = await js.object_store(cfg.bucket)
-                except Exception:
-                    self._store = await js.create_object_store(cfg.bucket, config=cfg)
+                self._store = await object_store(self._nc.jetstream(), S.OBJ_SNAPSHOTS)
                 self._ready.set()
                 return
             except asyncio.CancelledError:
