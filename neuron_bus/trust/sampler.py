@@ -21,7 +21,8 @@ import nats.js.errors as jserr
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
-from neuron_bus.errors import MalformedMessage
+from neuron_bus.errors import MalformedMessage, NeuronBusError
+from neuron_bus.flow import publish
 
 log = logging.getLogger("neuron_bus.tracker.audit")
 
@@ -62,18 +63,21 @@ class TrackerTrust:
                 pass
 
     async def _on_event(self, msg) -> None:
+        # the subject names the session (neuron.validation.<session>): most events are not sampled,
+        # and those are never decoded
+        if not sampled(msg.subject.rsplit(".", 1)[-1], self.audit_rate):
+            return
         try:
             event = M.decode(msg.data, M.ValidationEvent)
         except MalformedMessage as exc:
             log.warning("ignored a validation event on %s: %s", msg.subject, exc)
             return
-        if not sampled(event.session_id, self.audit_rate):
-            return
         req = M.AuditRequest(session_id=event.session_id, event_id=event.event_id, requested_at=time.time())
         try:
-            await self.js.publish(S.AUDIT_REQUEST, M.encode(req))
+            # every tracker samples the same sessions: the message id lets the stream keep one request
+            await publish(self.js, S.AUDIT_REQUEST, M.encode(req), {"Nats-Msg-Id": f"audit-{event.event_id}"}, max_wait=10.0)
             log.info("session %s sampled for replay", event.session_id)
-        except (nats.errors.Error, jserr.Error) as exc:
+        except (NeuronBusError, nats.errors.Error, jserr.Error) as exc:
             log.warning("could not request a replay of %s: %s", event.session_id, exc)
 
     async def _read_flags(self) -> None:
