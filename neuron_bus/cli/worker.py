@@ -115,16 +115,27 @@ def worker(
     if (model is None) == (artifact is None):
         fail("give exactly one of --model or --artifact")
     node_id = node_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+    from neuron_bus.trust import fault as faults
+    from neuron_bus.trust.work import owned_layer_work
+
+    try:  # the cheap checks first: loading the model takes seconds
+        fault = faults.check(fault)
+    except ValueError as exc:
+        fail(str(exc))
+    if snapshot_every < 0:
+        fail("--snapshot-every must be 0 (off) or positive")
     try:
         from neuron_bus.subjects import check_token
 
         check_token(node_id, "node id")
+        gguf = None
         if artifact:
             path, start, end, preset = asyncio.run(fetch_slice(nats, artifact, layers))
             revision, artifact_id = artifact, artifact
         else:
             path = models.resolve(model)
-            start, end = parse_layers(layers, GGUFModel(path).n_layers)
+            gguf = GGUFModel(path)
+            start, end = parse_layers(layers, gguf.n_layers)
             preset, revision, artifact_id = models.preset_for(path), models.revision(path), ""
         from workers.errors import BackendError
         from workers.registry import open_backend  # execution lives in workers/
@@ -133,19 +144,10 @@ def worker(
         opts = {"dtype": dtype} if backend == "torch" else {"n_ctx": n_ctx, "max_sessions": max_sessions, "flash_attn": flash_attn}
         be = open_backend(backend, path, start, end, threads=threads, **opts)
         tok = Tokenizer(path)
+        work = owned_layer_work(gguf or path, be.layer_start, be.layer_end, be.n_layers)
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
     report = build_report(node_id, be, preset, revision, artifact_id, trust_tier, slow_ms)
-    from neuron_bus.trust import fault as faults
-    from neuron_bus.trust.work import owned_layer_work
-
-    try:
-        fault = faults.check(fault)
-        work = owned_layer_work(path, be.layer_start, be.layer_end, be.n_layers)
-    except (ArtifactError, ValueError) as exc:
-        fail(str(exc))
-    if snapshot_every < 0:
-        fail("--snapshot-every must be 0 (off) or positive")
     options = WorkerOptions(
         idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms,
         snapshot_every=snapshot_every, snapshot_url=snapshot_nats, owned_layer_work=work, fault=fault,
