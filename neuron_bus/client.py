@@ -45,13 +45,14 @@ CONTROL_TIMEOUT_S = 30.0
 
 
 class NeuronClient:
-    def __init__(self, nc):
+    def __init__(self, nc, url: str = ""):
         self.nc = nc
         self.js = nc.jetstream()
+        self.url = url
 
     @classmethod
     async def connect(cls, url: str) -> "NeuronClient":
-        return cls(await connect(url, name="neuron-bus-client"))
+        return cls(await connect(url, name="neuron-bus-client"), url)
 
     async def close(self) -> None:
         await self.nc.drain()
@@ -64,11 +65,26 @@ class NeuronClient:
 
     # ------------------------------------------------------------------ requests
 
-    async def control(self, node_id: str, req, timeout: float = CONTROL_TIMEOUT_S):
+    async def ask(self, subject: str, req, timeout: float, unanswered: str, reason: str, node_id: str | None = None):
+        """One request/reply. When nothing answers, the error names the part that failed: the bus
+        itself when this client has lost its NATS connection, else the responder (``unanswered``)."""
+        if not self.nc.is_connected:
+            raise self.bus_down()
         try:
-            msg = await self.nc.request(S.node_control(node_id), M.encode(req), timeout=timeout)
-        except Exception as exc:  # timeout or no responders: the node is gone
-            raise RouteError("node_unreachable", f"node {node_id} did not answer: {type(exc).__name__}", node_id=node_id) from None
+            return await self.nc.request(subject, M.encode(req), timeout=timeout)
+        except Exception as exc:  # timeout or no responders
+            if not self.nc.is_connected:
+                raise self.bus_down() from None
+            raise RouteError(reason, f"{unanswered}: {type(exc).__name__}", node_id=node_id) from None
+
+    def bus_down(self) -> RouteError:
+        where = f" at {self.url}" if self.url else ""
+        return RouteError(
+            "bus_unreachable", f"the bus is unreachable: no connection to the NATS server{where} (is nats-server running?)"
+        )
+
+    async def control(self, node_id: str, req, timeout: float = CONTROL_TIMEOUT_S):
+        msg = await self.ask(S.node_control(node_id), req, timeout, f"node {node_id} did not answer", "node_unreachable", node_id)
         reply = M.decode(msg.data, M.ControlReply)
         if isinstance(reply, M.ControlError):
             raise RouteError(reply.code, f"{node_id}: {reply.message}", node_id=node_id)
@@ -76,10 +92,8 @@ class NeuronClient:
 
     async def coverage(self, model_preset: str | None = None, timeout: float = CONTROL_TIMEOUT_S) -> M.CoverageReport:
         """The tracker's coverage map (every model, or one)."""
-        try:
-            msg = await self.nc.request(S.TRACKER_COVERAGE, M.encode(M.CoverageRequest(model_preset=model_preset)), timeout=timeout)
-        except Exception as exc:
-            raise RouteError("no_tracker", f"no tracker answered on {S.TRACKER_COVERAGE}: {type(exc).__name__}") from None
+        req = M.CoverageRequest(model_preset=model_preset)
+        msg = await self.ask(S.TRACKER_COVERAGE, req, timeout, f"no tracker answered on {S.TRACKER_COVERAGE}", "no_tracker")
         reply = M.decode(msg.data, M.CoverageReport | M.ControlError)
         if isinstance(reply, M.ControlError):
             raise RouteError(reply.code, reply.message)
@@ -89,10 +103,7 @@ class NeuronClient:
         req = M.RouteRequest(
             request_id=uuid.uuid4().hex, model_preset=model_preset, wire_dtype=wire_dtype, encoding=encoding, **pins
         )
-        try:
-            msg = await self.nc.request(S.ROUTE_REQUEST, M.encode(req), timeout=CONTROL_TIMEOUT_S)
-        except Exception as exc:
-            raise RouteError("no_tracker", f"no tracker answered on {S.ROUTE_REQUEST}: {type(exc).__name__}") from None
+        msg = await self.ask(S.ROUTE_REQUEST, req, CONTROL_TIMEOUT_S, f"no tracker answered on {S.ROUTE_REQUEST}", "no_tracker")
         reply = M.decode(msg.data, M.RouteReply)
         if isinstance(reply, M.RouteRejection):
             raise RouteError("no_route", "no route: " + "; ".join(reply.reasons))

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neuron_bus import messages as M
+from neuron_bus.artifacts.cuts import check_cut, layer_kinds
 from neuron_bus.artifacts.gguf_model import GGUFModel, format_layers
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.models import preset_for
-from neuron_bus.natsserver import NatsServer, ServerConfig, free_port
-from neuron_bus.split import balanced_split, layer_work
+from neuron_bus.natsserver import NatsServer, ServerConfig, check_ports_free, free_port
+from neuron_bus.split import model_split
 from neuron_bus.topology import connect, ensure_topology
 
 
@@ -93,7 +94,11 @@ class LocalSwarm:
         self.prefill_window = prefill_window
         self.from_store = from_store  # publish the model to the shard swarm; workers fetch their range
         self.artifact_id: str | None = None
-        ranges = ranges or balanced_split(layer_work(model), shards)
+        if ranges:
+            kinds = layer_kinds(model)
+            for a, b in ranges:
+                check_cut(kinds, a, b)
+        ranges = ranges or model_split(model, shards)
         self.workers = [
             WorkerSpec(r, f"worker-{i}", list((worker_extra or {}).get(i, []))) for i, r in enumerate(ranges)
         ]
@@ -141,8 +146,20 @@ class LocalSwarm:
              "--node-id", spec.node_id, *spec.extra],
         )
 
+    def ports(self) -> list[tuple[str, int, str]]:
+        """Every port this swarm binds, with the `neuron-bus up` option that moves it."""
+        if len(self.servers) == 1:
+            cfg = self.servers[0].config
+            out = [("nats-server client port", cfg.port, "--nats-port"), ("nats-server monitoring port", cfg.http_port, "--http-port")]
+        else:
+            out = [p for srv in self.servers for p in srv.ports()]
+        if self.gateway_port:
+            out.append(("gateway port", self.gateway_port, "--port"))
+        return out
+
     def start(self, timeout: float = 180.0, on_step=None) -> "LocalSwarm":
         step = on_step or (lambda text: None)
+        check_ports_free("127.0.0.1", self.ports())  # before anything starts
         step(f"nats-server on {self.plain_url}")
         self._start_servers(timeout)
         kw = {"prefill_window": self.prefill_window} if self.prefill_window else {}

@@ -68,6 +68,7 @@ class CapabilityReport(BackendCapability, kw_only=True):
     wire_dtypes: list[WireDtype] = msgspec.field(default_factory=lambda: ["f32", "bf16"])
     trust_tier: TrustTier = "untrusted"
     started_at: float = 0.0
+    layer_kinds: list[str] = []  # every layer of the whole model (artifacts/cuts.py); [] unknown
 
 
 class NodeHeartbeat(Struct):
@@ -509,6 +510,7 @@ class CacheDescriptor(Struct):
     head_dim: int
     hidden_size: int
     kv_bytes_per_token_per_layer: int  # K and V at f16
+    layer_kinds: list[str] = []  # per layer: attention | swa (artifacts/cuts.py: where it may be cut)
 
 
 class ArtifactManifest(Struct):

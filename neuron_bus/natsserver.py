@@ -38,6 +38,24 @@ def nats_server_binary() -> str:
     )
 
 
+def port_taken(host: str, port: int) -> bool:
+    """Whether another program listens on ``port`` (a bind fails), checked without holding it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are no obstacle
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_ports_free(host: str, ports: list[tuple[str, int, str]]) -> None:
+    """Refuse to start when any of ``ports`` ((what, port, option to change it)) is taken, naming each."""
+    taken = [f"{what} {port} ({option} to choose another)" for what, port, option in ports if port and port_taken(host, port)]
+    if taken:
+        raise ServerError("port_in_use", f"port in use on {host}: " + "; ".join(taken))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -109,8 +127,17 @@ class NatsServer:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    def ports(self) -> list[tuple[str, int, str]]:
+        """Every port this server binds: (what, port, the option that sets it)."""
+        cfg = self.config
+        out = [("nats-server client port", cfg.port, "--port"), ("nats-server monitoring port", cfg.http_port, "--http-port")]
+        if cfg.cluster_port:
+            out.append(("nats-server cluster port", cfg.cluster_port, "--cluster-port"))
+        return out
+
     def start(self, timeout: float = 20.0) -> "NatsServer":
         cfg = self.config
+        check_ports_free(cfg.host, self.ports())
         cfg.store_dir.mkdir(parents=True, exist_ok=True)
         conf_path = cfg.store_dir / "nats-server.conf"
         conf_path.write_text(cfg.render())

@@ -464,3 +464,17 @@ def test_full_backend_text_helpers(smollm2_path):
     assert (full.bos_id, full.eos_id) == (1, 2) and full.is_eog(full.eos_id)
     assert "<|im_start|>" in full.chat_template
     full.close()
+
+
+def test_chat_without_a_gguf_template_uses_llama_cpps_builtin_one(gemma3_path, smollm2_path):
+    """The shipped Gemma 3 GGUF carries no chat template: llama.cpp's gemma turn format stands in."""
+    from workers.tokenizer import Tokenizer
+
+    gemma = Tokenizer(gemma3_path)
+    assert gemma.chat_template is None and gemma.builtin_template == "gemma"
+    text, ids = gemma.encode_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert text == "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert ids[0] == gemma.bos_id and ids.count(gemma.bos_id) == 1  # Gemma wants its BOS, once
+    smol = Tokenizer(smollm2_path)
+    text, ids = smol.encode_chat([{"role": "user", "content": "Hi"}])
+    assert text.startswith("<|im_start|>system") and ids == smol.encode(text, add_bos=False)

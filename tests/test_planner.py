@@ -294,6 +294,18 @@ def test_rebalance_hint_points_at_the_bottleneck_and_stays_routable():
     assert (hint.layer_start, hint.layer_end) == (10, 20)
 
 
+def test_rebalance_hint_never_names_a_range_llama_cpp_cannot_load():
+    """Gemma 3's last layer is global attention: a slice of it alone aborts llama.cpp (artifacts/cuts.py)."""
+    kinds = (["swa"] * 5 + ["attention"]) * 3
+    views = [node("h", 0, 17, model="gemma3-270m", n=18, layer_kinds=kinds)]
+    hint = coverage_report(views, 0.0, P).models[0].hint
+    assert (hint.layer_start, hint.layer_end) == (0, 18)  # the smallest range that chains and loads
+    assert "full-attention" in hint.reason
+    views.append(node("t", 16, 18, model="gemma3-270m", n=18, layer_kinds=kinds))
+    hint = coverage_report(views, 0.0, P).models[0].hint
+    assert (hint.layer_start, hint.layer_end) != (17, 18)
+
+
 def test_coverage_groups_by_numerics_and_filters_by_model():
     views = [node("a", 0, 30), node("b", 0, 30, cache_abi="other"), node("g", 0, 18, model="gemma3-270m", n=18)]
     cov = coverage_report(views, 0.0, P)

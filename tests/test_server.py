@@ -76,7 +76,8 @@ def test_server_refuses_a_busy_port_with_a_clear_error(tmp_path, nats_server):
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode != 0
-    assert proc.stderr.startswith("error: nats-server exited")
+    # refused before the binary starts, naming the port and the option that moves it
+    assert proc.stderr.startswith(f"error: port in use on 127.0.0.1: nats-server client port {nats_server.config.port} (--port")
 
 
 async def test_topology_is_idempotent(nats_server):

@@ -1,29 +1,36 @@
-"""`neuron-bus up` then `neuron-bus generate`: the README's first command, end to end."""
+"""`neuron-bus up`: the README's first command, end to end, with each shipped model, and its
+refusals (taken ports) before anything starts."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
+from contextlib import contextmanager
 
+import openai
 import psutil
 import pytest
 
 from neuron_bus.local_swarm import cli
-from neuron_bus.natsserver import free_port
+from neuron_bus.natsserver import free_port, port_taken
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 
-def test_up_then_generate_produces_text_and_ctrl_c_stops_everything(tmp_path):
+@contextmanager
+def running_up(tmp_path, *args: str, timeout: float = 300):
+    """`neuron-bus up` on free ports until it says "swarm up"; yields (process, nats port, gateway port)."""
     port, http, gateway = free_port(), free_port(), free_port()
     up = subprocess.Popen(
-        cli() + ["up", "--nats-port", str(port), "--http-port", str(http), "--port", str(gateway), "--workdir", str(tmp_path)],
+        cli() + ["up", "--nats-port", str(port), "--http-port", str(http), "--port", str(gateway),
+                 "--workdir", str(tmp_path), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + timeout
         lines = []
         while time.monotonic() < deadline:
             line = up.stderr.readline()
@@ -31,6 +38,16 @@ def test_up_then_generate_produces_text_and_ctrl_c_stops_everything(tmp_path):
             if "swarm up" in line or not line:
                 break
         assert any("swarm up" in line for line in lines), "".join(lines)
+        yield up, port, gateway
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.wait(60)
+
+
+@pytest.mark.slow
+def test_up_then_generate_produces_text_and_ctrl_c_stops_everything(tmp_path):
+    with running_up(tmp_path) as (up, port, gateway):
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) >= 5  # nats-server, tracker, two workers, gateway
         page = urllib.request.urlopen(f"http://127.0.0.1:{gateway}/", timeout=10).read().decode()
@@ -41,9 +58,51 @@ def test_up_then_generate_produces_text_and_ctrl_c_stops_everything(tmp_path):
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip(), "no text generated"
-    finally:
         up.send_signal(signal.SIGINT)
         up.wait(60)
     assert up.returncode == 0
     for child in children:
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shards", [2, 3])
+def test_up_with_gemma3_serves_the_openai_client(tmp_path, shards):
+    """Gemma 3's balanced split once gave its tail a lone global-attention layer, which aborts llama.cpp."""
+    with running_up(tmp_path, "--model", "gemma3-270m", "--shards", str(shards)) as (up, _, gateway):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key="x", max_retries=0, timeout=120)
+        r = client.chat.completions.create(
+            model="gemma3-270m", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8
+        )
+        assert r.choices[0].message.content
+        assert len(r.neuron_route["nodes"]) == shards
+
+
+@contextmanager
+def taken_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("option,what", [("--http-port", "monitoring port"), ("--port", "gateway port"),
+                                         ("--nats-port", "client port")])
+def test_up_reports_a_taken_port_before_anything_starts(tmp_path, option, what):
+    ports = {"--nats-port": free_port(), "--http-port": free_port(), "--port": free_port()}
+    with taken_port() as busy:
+        ports[option] = busy
+        args = [x for kv in ports.items() for x in (kv[0], str(kv[1]))]
+        out = subprocess.run(cli() + ["up", "--workdir", str(tmp_path), *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert f"{what} {busy}" in out.stderr and option in out.stderr and "in use" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "nats").exists()  # nothing was started
+    assert not any(port_taken("127.0.0.1", p) for o, p in ports.items() if o != option)
+
+
+def test_gateway_reports_its_taken_port(nats_server):
+    with taken_port() as busy:
+        out = subprocess.run(cli() + ["gateway", "--nats", nats_server.url, "--port", str(busy)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and f"gateway port {busy}" in out.stderr and "in use" in out.stderr, out.stderr

@@ -20,6 +20,7 @@ import gguf
 import msgspec
 
 from neuron_bus import models
+from neuron_bus.artifacts.cuts import layer_kinds
 from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFModel, Tensor
 from neuron_bus.messages import (
     ArtifactManifest,
@@ -140,6 +141,7 @@ def cache_descriptor(model: GGUFModel) -> CacheDescriptor:
         head_dim=k_dim,
         hidden_size=hidden,
         kv_bytes_per_token_per_layer=n_kv * (k_dim + v_dim) * 2,
+        layer_kinds=layer_kinds(model),
     )
 
 

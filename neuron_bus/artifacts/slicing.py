@@ -15,14 +15,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from neuron_bus.artifacts.cuts import check_cut, layer_kinds, swa_pattern
 from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFModel, format_layers
 
 _SKIP_KEYS = ("GGUF.", "split.", META_PREFIX)
-
-# Architectures whose sliding-window layers llama.cpp derives from the layer index (period p:
-# layer i is sliding-window iff i % p < p - 1). A slice renumbers its layers, so it states the
-# per-layer pattern of its original layers explicitly (llama.cpp reads the array when present).
-_IMPLICIT_SWA_PERIOD = {"gemma3": 6}
 
 
 def _copy_metadata(model: GGUFModel, writer: gguf.GGUFWriter, start: int, end: int) -> None:
@@ -41,10 +37,12 @@ def _copy_metadata(model: GGUFModel, writer: gguf.GGUFWriter, start: int, end: i
             if isinstance(value, list) and len(value) == model.n_layers:
                 value = value[start:end]
         writer.add_key_value(name, value, vtype, sub)
-    period = _IMPLICIT_SWA_PERIOD.get(model.arch)
+    # llama.cpp derives some architectures' sliding-window layers from the layer index; a slice
+    # renumbers its layers, so it states its original layers' pattern (llama.cpp reads the array).
     pattern_key = f"{model.arch}.attention.sliding_window_pattern"
-    if period and model.field(f"{model.arch}.attention.sliding_window") and model.field(pattern_key) is None:
-        writer.add_array(pattern_key, [i % period < period - 1 for i in range(start, end)])
+    implicit = swa_pattern(model.arch, end, start)
+    if implicit and model.field(f"{model.arch}.attention.sliding_window") and model.field(pattern_key) is None:
+        writer.add_array(pattern_key, implicit)
 
 
 def slice_gguf(
@@ -62,6 +60,7 @@ def slice_gguf(
             "bad_range",
             f"layer range {start}-{end - 1} is outside the model: it has layers 0-{model.n_layers - 1}",
         )
+    check_cut(layer_kinds(model), start, end)  # a slice llama.cpp would abort on is of no use
     real, placeholder = model.needed_shared(start, end)
     tensors: list[tuple[str, object, bool]] = []  # (new name, tensor, placeholder?)
     for t in model.tensors:

@@ -18,8 +18,15 @@ def gateway(
     chunk_size: int = typer.Option(128, min=1, help="Prefill chunk size in tokens (progress granularity)."),
 ) -> None:
     """Serve the OpenAI-compatible API, the WebSocket /ws, the web page, /metrics and /healthz."""
+    from neuron_bus.errors import ServerError
     from neuron_bus.gateway.app import serve
     from neuron_bus.gateway.validation import Limits
+    from neuron_bus.natsserver import check_ports_free
+
+    try:
+        check_ports_free(host, [("gateway port", port, "--port")])
+    except ServerError as exc:
+        fail(f"gateway cannot start: {exc}")
 
     def ready(url: str) -> None:
         typer.echo(f"gateway on {url} (OpenAI API {url}/v1, WebSocket {url.replace('http', 'ws', 1)}/ws)", err=True)

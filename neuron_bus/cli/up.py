@@ -38,10 +38,13 @@ def up(
     except models.UnknownModel as exc:
         fail(str(exc))
     work = workdir or Path(tempfile.mkdtemp(prefix="neuron-bus-up-"))
-    swarm = LocalSwarm(
-        path, shards, backend=backend, threads=threads, workdir=work, nats_port=nats_port, http_port=http_port,
-        gateway_port=port or None,
-    )
+    try:
+        swarm = LocalSwarm(
+            path, shards, backend=backend, threads=threads, workdir=work, nats_port=nats_port, http_port=http_port,
+            gateway_port=port or None,
+        )
+    except (NeuronBusError, ValueError) as exc:  # a bad model file, or no loadable split into --shards
+        fail(str(exc))
     try:
         with console.status("starting the swarm") as status:
             swarm.start(on_step=lambda text: status.update(f"starting: {text}"))

@@ -14,7 +14,8 @@ import typer
 
 from neuron_bus import messages as M
 from neuron_bus import models
-from neuron_bus.artifacts.gguf_model import ArtifactError, GGUFModel, parse_layers
+from neuron_bus.artifacts.cuts import check_cut, layer_kinds
+from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFModel, parse_layers
 from neuron_bus.cli.app import NatsOption, app, fail
 from neuron_bus.topology import connect, ensure_topology
 
@@ -27,7 +28,8 @@ def slowed(tokens_per_second: float, positions_per_call: int, slow_ms: float) ->
 
 
 def build_report(
-    node_id: str, backend, preset: str, revision: str, artifact_id: str, trust_tier: str, slow_ms: float = 0.0
+    node_id: str, backend, preset: str, revision: str, artifact_id: str, trust_tier: str, slow_ms: float = 0.0,
+    layer_kinds: list[str] | None = None,
 ) -> M.CapabilityReport:
     cap = msgspec.structs.asdict(backend.capability)
     cap["prefill_tokens_per_second"] = slowed(cap["prefill_tokens_per_second"], 256, slow_ms)
@@ -44,6 +46,7 @@ def build_report(
         hidden_size=backend.hidden_size,
         trust_tier=trust_tier,
         started_at=time.time(),
+        layer_kinds=list(layer_kinds or []),
         **cap,
     )
 
@@ -58,10 +61,12 @@ async def fetch_slice(url: str, artifact_id: str, layers: str):
         js = nc.jetstream()
         manifest = await fetch_manifest(js, artifact_id)
         start, end = parse_layers(layers, n_layers(manifest))
+        kinds = manifest.cache_descriptor.layer_kinds
+        check_cut(kinds, start, end)  # before fetching a slice llama.cpp could not load
         path = await resolve_artifact(js, artifact_id, start, end, models.cache_dir() / "artifacts")
     finally:
         await nc.close()
-    return path, start, end, manifest.model_preset
+    return path, start, end, manifest.model_preset, kinds
 
 
 async def serve(url: str, backend, tokenizer, report: M.CapabilityReport, options, metrics_port: int | None) -> None:
@@ -130,12 +135,14 @@ def worker(
         check_token(node_id, "node id")
         gguf = None
         if artifact:
-            path, start, end, preset = asyncio.run(fetch_slice(nats, artifact, layers))
+            path, start, end, preset, kinds = asyncio.run(fetch_slice(nats, artifact, layers))
             revision, artifact_id = artifact, artifact
         else:
             path = models.resolve(model)
             gguf = GGUFModel(path)
             start, end = parse_layers(layers, gguf.n_layers)
+            kinds = [] if gguf.field(META_PREFIX + "layer_start") is not None else layer_kinds(gguf)  # a slice: unknown
+            check_cut(kinds, start, end)
             preset, revision, artifact_id = models.preset_for(path), models.revision(path), ""
         from workers.errors import BackendError
         from workers.registry import open_backend  # execution lives in workers/
@@ -147,7 +154,7 @@ def worker(
         work = owned_layer_work(gguf or path, be.layer_start, be.layer_end, be.n_layers)
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
-    report = build_report(node_id, be, preset, revision, artifact_id, trust_tier, slow_ms)
+    report = build_report(node_id, be, preset, revision, artifact_id, trust_tier, slow_ms, kinds)
     options = WorkerOptions(
         idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms,
         snapshot_every=snapshot_every, snapshot_url=snapshot_nats, owned_layer_work=work, fault=fault,

@@ -72,6 +72,25 @@ def routable(report: M.CoverageReport) -> list[str]:
     return sorted({m.model_preset for m in report.models if m.layers and all(l.replicas for l in m.layers)})
 
 
+# Route failures that mean "not now" (the swarm is full, or a part of it is not reachable yet) and
+# when to try again; a client should retry them (HTTP 503). Any other failure is a fault of a
+# node upstream (502).
+RETRY_AFTER_S = {
+    "no_free_slot": 2, "no_route": 5, "no_tracker": 5, "bus_unreachable": 5,
+    "node_unreachable": 5, "node_lost": 5,  # a dead node: the tracker stops routing to it within seconds
+}
+
+
+def route_api_error(exc: RouteError, session_id: str | None = None) -> ApiError:
+    """The HTTP answer to a failed route: 503 with Retry-After for our own limits, else 502."""
+    fields = route_error_body(exc, session_id)
+    message = fields.pop("message")
+    if exc.reason in RETRY_AFTER_S:
+        fields["type"] = "service_unavailable"
+        return ApiError(503, message, retry_after=RETRY_AFTER_S[exc.reason], **fields)
+    return ApiError(502, message, **fields)
+
+
 def route_error_body(exc: RouteError, session_id: str | None = None) -> dict:
     """The final error of a failed generation, for every channel: reason, phase, node."""
     return {
@@ -93,7 +112,7 @@ class Bus:
         try:
             return await self.client.coverage(model_preset, timeout=TRACKER_TIMEOUT_S)
         except RouteError as exc:
-            raise ApiError(503, str(exc), type="service_unavailable", code=exc.reason) from None
+            raise route_api_error(exc) from None
 
     async def models(self) -> list[str]:
         return routable(await self.coverage())
@@ -119,7 +138,7 @@ class Bus:
                 raise ApiError(404, f"the model '{model}' does not exist on this swarm; models: {', '.join(ready) or 'none'}",
                                param="model", code="model_not_found")
             raise ApiError(503, f"the model '{model}' has no complete route right now (layers without a live node)",
-                           type="service_unavailable", param="model", code="no_route")
+                           type="service_unavailable", param="model", code="no_route", retry_after=RETRY_AFTER_S["no_route"])
         req.model = model
         try:
             route = await self.client.route(model, policy=req.policy)
@@ -128,7 +147,7 @@ class Bus:
                 tokenize = M.TokenizeRequest(text=req.prompt, messages=req.messages)
                 tokens = (await self.client.control(route.hops[0].node_id, tokenize)).tokens
         except RouteError as exc:
-            raise ApiError(503, str(exc), type="service_unavailable", code=exc.reason, phase=exc.phase, node_id=exc.node_id) from None
+            raise route_api_error(exc) from None
         if not tokens:
             raise ApiError(422, "the prompt has no tokens", param="prompt", code="empty_prompt")
         if len(tokens) + req.sampling.max_tokens > self.limits.max_context:

@@ -3,7 +3,10 @@
 Streaming answers are server-sent events (``data: {...}``, ending ``data: [DONE]``); telemetry
 rides along as SSE comments (``: telemetry {...}``), which OpenAI clients ignore. A route that
 fails mid-stream ends the stream with ``data: {"error": {...}}`` naming the reason, the phase and
-the node (OpenAI clients raise it), then ``data: [DONE]``; a non-streaming request gets 502.
+the node (OpenAI clients raise it), then ``data: [DONE]``. A stream's status is sent only once the
+session is open on every hop, so a route that cannot start (every KV slot in use, no route, the
+bus down) is an HTTP error like a non-streaming request's: 503 with Retry-After for the swarm's
+own limits, 502 for a node's fault (bus.route_api_error).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from aiohttp import web
 
 from neuron_bus import messages as M
 from neuron_bus.client import RouteError
-from neuron_bus.gateway.bus import Bus, Prepared, Tally, route_error_body
-from neuron_bus.gateway.validation import ApiError, GenRequest, chat_request, completion_request, parse_json
+from neuron_bus.gateway.bus import Bus, Prepared, Tally, route_api_error, route_error_body
+from neuron_bus.gateway.validation import GenRequest, chat_request, completion_request, parse_json
 
 BUS = web.AppKey("bus", Bus)
 
@@ -51,45 +54,51 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
             async for event in events:
                 tally.add(event)
     except RouteError as exc:
-        raise ApiError(502, str(exc), **_route_fields(exc, tally.session_id)) from None
+        raise route_api_error(exc, tally.session_id) from None
     return web.json_response(shape.whole(tally))
 
 
-def _route_fields(exc: RouteError, session_id: str) -> dict:
-    body = route_error_body(exc, session_id)
-    body.pop("message")
-    return body
-
-
 async def _stream(request: web.Request, bus: Bus, prepared: Prepared, shape: "Shape") -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
+    async with aclosing(bus.stream(prepared)) as events:  # a client that hangs up closes the session
+        try:  # the first event comes once every hop holds the session: until then, errors are HTTP errors
+            opened = await anext(events, None)
+        except RouteError as exc:
+            raise route_api_error(exc) from None
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        await resp.prepare(request)
+        await _relay(resp, prepared, shape, opened, events)
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def _relay(resp: web.StreamResponse, prepared: Prepared, shape: "Shape", opened, events) -> None:
+    """Write the session's events as SSE chunks, ``opened`` first; a route failure is the last chunk."""
 
     async def send(obj) -> None:
         await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
     tally = Tally(len(prepared.prompt_tokens))
-    first = True
+    event, first = opened, True
     try:
-        async with aclosing(bus.stream(prepared)) as events:  # a client that hangs up closes the session
-            async for event in events:
-                tally.add(event)
-                if isinstance(event, M.GenerationTelemetry):
-                    await resp.write(b": telemetry " + M.encode(event) + b"\n\n")
-                    continue
+        while event is not None:
+            tally.add(event)
+            if isinstance(event, M.GenerationTelemetry):
+                await resp.write(b": telemetry " + M.encode(event) + b"\n\n")
+            else:
                 if first:
                     shape.session_id = event.session_id
                     if shape.chat:
                         await send(shape.chunk({"role": "assistant", "content": ""}, None, None))
                     first = False
                 await send(shape.chunk(event.text, shape.logprobs([event]), event.finish_reason))
+            event = await anext(events, None)
         if prepared.req.include_usage:
             await send({**shape.head("chunk"), "choices": [], "usage": tally.usage()})
     except RouteError as exc:
         await send({"error": route_error_body(exc, tally.session_id)})
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
 
 
 class Shape:

@@ -21,10 +21,11 @@ TOP_LOGPROBS_MAX = 5  # alternatives the route's tail reports per token
 class ApiError(Exception):
     def __init__(
         self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None, **extra,
+        code: str | None = None, retry_after: int | None = None, **extra,
     ):
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after  # seconds, for 429 and 503: when to try again
         self.message = message
         self.type = type
         self.param = param
@@ -35,7 +36,8 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status)
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+from neuron_bus.artifacts import cuts
 from neuron_bus.messages import CoverageReport, LayerCoverage, ModelCoverage, RebalanceHint, TrackedNode
 from neuron_bus.tracker import layers, speed
 from neuron_bus.tracker.params import TrackerParams
@@ -58,7 +59,7 @@ def model_coverage(numerics: Numerics, nodes: Sequence[NodeView], params: Tracke
         layers=layer_rows,
         nodes_live=sorted(v.node_id for v in nodes if v.alive),
         nodes_expired=sorted(v.node_id for v in nodes if not v.alive),
-        hint=rebalance_hint(layer_rows, [(v.layer_start, v.layer_end) for v in usable], n),
+        hint=rebalance_hint(layer_rows, [(v.layer_start, v.layer_end) for v in usable], n, model_layer_kinds(nodes)),
     )
 
 
@@ -98,7 +99,14 @@ def _signature(row: LayerCoverage):
     return (row.status, tuple(row.replicas), tuple(row.reasons), row.capacity_tokens_per_second)
 
 
-def rebalance_hint(rows: Sequence[LayerCoverage], ranges: Sequence[tuple[int, int]], n: int) -> RebalanceHint | None:
+def model_layer_kinds(nodes: Sequence[NodeView]) -> list[str]:
+    """The model's per-layer kinds, as its nodes report them ([] when none does)."""
+    return next((list(v.caps.layer_kinds) for v in nodes if v.caps.layer_kinds), [])
+
+
+def rebalance_hint(
+    rows: Sequence[LayerCoverage], ranges: Sequence[tuple[int, int]], n: int, kinds: Sequence[str] = ()
+) -> RebalanceHint | None:
     if n <= 0 or not rows:
         return None
     runs = [(a, b, row) for a, b, row in spans(rows)]
@@ -113,10 +121,18 @@ def rebalance_hint(rows: Sequence[LayerCoverage], ranges: Sequence[tuple[int, in
         label = "under-provisioned" if weak else "least capacity"
         detail = "; ".join(row.reasons) or f"{len(row.replicas)} replicas"
         why = f"{label}: layers {layers.spell(a, b)} ({detail}; {row.capacity_tokens_per_second:.1f} tok/s)"
-    start = max(x for x in layers.reachable_from_start(ranges) if x <= a)
-    end = min(y for y in layers.reaching_end(ranges, n) if y >= b)
+    starts = sorted((x for x in layers.reachable_from_start(ranges) if x <= a), reverse=True)
+    ends = sorted(y for y in layers.reaching_end(ranges, n) if y >= b)
+    start, end = starts[0], ends[0]
     if (start, end) != (a, b):
         why += f"; widened to {layers.spell(start, end)} so routes can chain through it"
+    if not cuts.loadable(kinds, start, end):  # the smallest chaining range llama.cpp can load
+        problem = cuts.cut_problem(kinds, start, end)
+        fits = [(s, e) for s in starts for e in ends if cuts.loadable(kinds, s, e)]
+        if not fits:
+            return None
+        start, end = min(fits, key=lambda r: (r[1] - r[0], r[0]))
+        why += f"; widened to {layers.spell(start, end)} because {problem}"
     return RebalanceHint(layer_start=start, layer_end=end, reason=why)
 
 

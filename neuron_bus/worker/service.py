@@ -176,8 +176,7 @@ class WorkerService:
 
     async def _tokenize(self, req: M.TokenizeRequest) -> M.TokenizeReply:
         if req.messages is not None:
-            text = await self._call(self.tokenizer.apply_chat_template, req.messages, req.add_generation_prompt)
-            tokens = await self._call(self.tokenizer.encode, text, False)
+            text, tokens = await self._call(self.tokenizer.encode_chat, req.messages, req.add_generation_prompt)
         elif req.text is not None:
             text = req.text
             tokens = await self._call(self.tokenizer.encode, text)

@@ -1,0 +1,104 @@
+"""What a client of the gateway is told when the swarm cannot serve it now: every KV slot in use
+(503 with Retry-After, for streaming and non-streaming requests alike), no tracker, the bus down.
+Real processes: nats-server, tracker, workers, gateway."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from neuron_bus.local_swarm import LocalSwarm, cli
+from neuron_bus.natsserver import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def post(url: str, body: dict) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read()) if not body.get("stream") else {}
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def one_slot_swarm(smollm2_path, tmp_path_factory):
+    """Two workers with one KV slot each, slowed so a generation holds its slot for seconds."""
+    extra = ["--max-sessions", "1", "--slow-ms", "25"]
+    s = LocalSwarm(smollm2_path, 2, workdir=tmp_path_factory.mktemp("one-slot"), gateway_port=free_port(),
+                   worker_extra={0: extra, 1: extra}).start()
+    yield s
+    s.stop()
+
+
+def test_requests_beyond_the_free_kv_slots_get_503_with_retry_after(one_slot_swarm):
+    base = one_slot_swarm.gateway_url
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+    first_token = threading.Event()
+    holder: dict = {}
+
+    def hold_the_slot() -> None:
+        stream = client.completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=120, stream=True)
+        for chunk in stream:
+            first_token.set()
+            holder.setdefault("text", []).append(chunk.choices[0].text if chunk.choices else "")
+
+    t = threading.Thread(target=hold_the_slot)
+    t.start()
+    try:
+        assert first_token.wait(60), "the first generation did not start"
+        body = {"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 4}
+        status, headers, answer = post(base + "/v1/completions", body)
+        assert status == 503, answer
+        assert int(headers["Retry-After"]) >= 1
+        err = answer["error"]
+        assert err["code"] == "no_free_slot" and "session slots are in use" in err["message"] and err["node_id"]
+        status, headers, answer = post(base + "/v1/completions", {**body, "stream": True})
+        assert status == 503 and "Retry-After" in headers and answer["error"]["code"] == "no_free_slot"
+        with pytest.raises(openai.APIStatusError) as info:  # what the official client raises
+            client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert info.value.status_code == 503
+    finally:
+        t.join(120)
+    assert "".join(holder["text"]), "the slot holder's generation must finish untouched"
+    status, _, answer = post(base + "/v1/completions", {"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 4})
+    assert status == 200 and answer["usage"]["completion_tokens"] >= 1  # the freed slot serves again
+
+
+def test_errors_name_the_tracker_then_the_bus(tmp_path):
+    from tests.conftest import start_nats
+
+    srv = start_nats(tmp_path)
+    port = free_port()
+    gw = subprocess.Popen(cli() + ["gateway", "--nats", srv.url, "--port", str(port)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        deadline = time.monotonic() + 60
+        while True:  # up once it answers at all
+            try:
+                status, headers, answer = post(url, {"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 2})
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline and gw.poll() is None, gw.stderr.read() if gw.poll() is not None else ""
+                time.sleep(0.3)
+        assert status == 503 and headers.get("Retry-After")
+        assert answer["error"]["code"] == "no_tracker" and "no tracker answered" in answer["error"]["message"]
+        srv.stop()  # the bus goes away; the tracker was never the problem now
+        status, headers, answer = post(url, {"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 2})
+        assert status == 503 and headers.get("Retry-After")
+        assert answer["error"]["code"] == "bus_unreachable", answer
+        assert "the bus is unreachable" in answer["error"]["message"] and srv.url in answer["error"]["message"]
+        assert "tracker" not in answer["error"]["message"]
+    finally:
+        gw.terminate()
+        gw.wait(20)
+        srv.stop()
