@@ -16,7 +16,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import RouteError
@@ -51,13 +50,13 @@ class NeuronClient:
         self.url = url
 
     @classmethod
-    async def connect(cls, url: str) -> "NeuronClient":
+    async def connect(cls, url: str) -> NeuronClient:
         return cls(await connect(url, name="neuron-bus-client"), url)
 
     async def close(self) -> None:
         await self.nc.drain()
 
-    async def __aenter__(self) -> "NeuronClient":
+    async def __aenter__(self) -> NeuronClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -80,11 +79,14 @@ class NeuronClient:
     def bus_down(self) -> RouteError:
         where = f" at {self.url}" if self.url else ""
         return RouteError(
-            "bus_unreachable", f"the bus is unreachable: no connection to the NATS server{where} (is nats-server running?)"
+            "bus_unreachable",
+            f"the bus is unreachable: no connection to the NATS server{where} (is nats-server running?)",
         )
 
     async def control(self, node_id: str, req, timeout: float = CONTROL_TIMEOUT_S):
-        msg = await self.ask(S.node_control(node_id), req, timeout, f"node {node_id} did not answer", "node_unreachable", node_id)
+        msg = await self.ask(
+            S.node_control(node_id), req, timeout, f"node {node_id} did not answer", "node_unreachable", node_id
+        )
         reply = M.decode(msg.data, M.ControlReply)
         if isinstance(reply, M.ControlError):
             raise RouteError(reply.code, f"{node_id}: {reply.message}", node_id=node_id)
@@ -93,17 +95,23 @@ class NeuronClient:
     async def coverage(self, model_preset: str | None = None, timeout: float = CONTROL_TIMEOUT_S) -> M.CoverageReport:
         """The tracker's coverage map (every model, or one)."""
         req = M.CoverageRequest(model_preset=model_preset)
-        msg = await self.ask(S.TRACKER_COVERAGE, req, timeout, f"no tracker answered on {S.TRACKER_COVERAGE}", "no_tracker")
+        msg = await self.ask(
+            S.TRACKER_COVERAGE, req, timeout, f"no tracker answered on {S.TRACKER_COVERAGE}", "no_tracker"
+        )
         reply = M.decode(msg.data, M.CoverageReport | M.ControlError)
         if isinstance(reply, M.ControlError):
             raise RouteError(reply.code, reply.message)
         return reply
 
-    async def route(self, model_preset: str = DEFAULT_PRESET, wire_dtype: str = "f32", encoding: str = "raw", **pins) -> M.RouteAssignment:
+    async def route(
+        self, model_preset: str = DEFAULT_PRESET, wire_dtype: str = "f32", encoding: str = "raw", **pins
+    ) -> M.RouteAssignment:
         req = M.RouteRequest(
             request_id=uuid.uuid4().hex, model_preset=model_preset, wire_dtype=wire_dtype, encoding=encoding, **pins
         )
-        msg = await self.ask(S.ROUTE_REQUEST, req, CONTROL_TIMEOUT_S, f"no tracker answered on {S.ROUTE_REQUEST}", "no_tracker")
+        msg = await self.ask(
+            S.ROUTE_REQUEST, req, CONTROL_TIMEOUT_S, f"no tracker answered on {S.ROUTE_REQUEST}", "no_tracker"
+        )
         reply = M.decode(msg.data, M.RouteReply)
         if isinstance(reply, M.RouteRejection):
             raise RouteError("no_route", "no route: " + "; ".join(reply.reasons))
@@ -138,10 +146,19 @@ class NeuronClient:
         ``policy`` (public, private, paid-trusted) is asked of the tracker for every route it plans.
         """
         run = GenerationRun(
-            self, sampling=sampling or M.SamplingParams(), model_preset=model_preset, wire_dtype=wire_dtype,
-            encoding=encoding, chunk_size=chunk_size, policy=policy, route=route,
-            prompt=prompt, messages=messages, prompt_tokens=prompt_tokens,
-            prefill_retries=prefill_retries, repair=repair,
+            self,
+            sampling=sampling or M.SamplingParams(),
+            model_preset=model_preset,
+            wire_dtype=wire_dtype,
+            encoding=encoding,
+            chunk_size=chunk_size,
+            policy=policy,
+            route=route,
+            prompt=prompt,
+            messages=messages,
+            prompt_tokens=prompt_tokens,
+            prefill_retries=prefill_retries,
+            repair=repair,
         )
         async for event in run.events():
             yield event
@@ -179,7 +196,14 @@ class NeuronClient:
                 finish = ev.finish_reason
         now = time.monotonic()
         return Generation(
-            session_id=session_id, route=route, prompt_tokens=list(prompt_ids), tokens=tokens, text="".join(text),
-            finish_reason=finish, logprobs=logprobs, top_logprobs=tops,
-            ttft_s=(first or now) - start, elapsed_s=now - start,
+            session_id=session_id,
+            route=route,
+            prompt_tokens=list(prompt_ids),
+            tokens=tokens,
+            text="".join(text),
+            finish_reason=finish,
+            logprobs=logprobs,
+            top_logprobs=tops,
+            ttft_s=(first or now) - start,
+            elapsed_s=now - start,
         )

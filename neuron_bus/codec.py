@@ -74,7 +74,9 @@ def _header_from_nats(headers: dict[str, str] | None) -> ActivationHeader:
             raise MalformedMessage("bad_header", f"activation header {name}={value!r} is not valid") from None
     dtype, encoding = raw.get("dtype"), raw.get("encoding", "raw")
     if dtype not in DTYPES:
-        raise MalformedMessage("unknown_dtype", f"unknown activation dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+        raise MalformedMessage(
+            "unknown_dtype", f"unknown activation dtype {dtype!r} (expected one of {', '.join(DTYPES)})"
+        )
     if encoding not in ENCODINGS:
         raise MalformedMessage("unknown_encoding", f"unknown activation encoding {encoding!r} (expected raw or zstd)")
     try:
@@ -84,11 +86,15 @@ def _header_from_nats(headers: dict[str, str] | None) -> ActivationHeader:
     if any(d < 0 for d in header.shape) or header.position < 0 or header.seq < 0:
         raise MalformedMessage("bad_header", "activation header has a negative shape, position or seq")
     if header.layer_start < 0 or header.layer_end <= header.layer_start:
-        raise MalformedMessage("bad_header", f"activation header has an empty layer range {header.layer_start}-{header.layer_end}")
+        raise MalformedMessage(
+            "bad_header", f"activation header has an empty layer range {header.layer_start}-{header.layer_end}"
+        )
     return header
 
 
-def encode(header: ActivationHeader, array: np.ndarray, *, max_body: int = DEFAULT_MAX_BODY) -> tuple[dict[str, str], bytes]:
+def encode(
+    header: ActivationHeader, array: np.ndarray, *, max_body: int = DEFAULT_MAX_BODY
+) -> tuple[dict[str, str], bytes]:
     """Encode ``array`` (float32 hidden states or int32 token ids) as headers + body.
 
     ``header.dtype`` and ``header.encoding`` choose the wire format; ``header.shape`` is set from
@@ -110,7 +116,9 @@ def encode(header: ActivationHeader, array: np.ndarray, *, max_body: int = DEFAU
     return _header_to_nats(header), body
 
 
-def decode(headers: dict[str, str] | None, body: bytes, *, max_body: int = DEFAULT_MAX_BODY) -> tuple[ActivationHeader, np.ndarray]:
+def decode(
+    headers: dict[str, str] | None, body: bytes, *, max_body: int = DEFAULT_MAX_BODY
+) -> tuple[ActivationHeader, np.ndarray]:
     """Decode and validate; return the header and a float32 (or int32 for i32) array."""
     header = _header_from_nats(headers)
     if len(body) > max_body:
@@ -118,7 +126,9 @@ def decode(headers: dict[str, str] | None, body: bytes, *, max_body: int = DEFAU
     dtype = DTYPES[header.dtype]
     expected = math.prod(header.shape) * dtype.itemsize
     if expected > max_body:
-        raise MalformedMessage("oversized", f"activation shape {header.shape} needs {expected} bytes, over the limit of {max_body}")
+        raise MalformedMessage(
+            "oversized", f"activation shape {header.shape} needs {expected} bytes, over the limit of {max_body}"
+        )
     if header.encoding == "zstd":
         try:
             declared = zstandard.frame_content_size(body)  # -1 when the frame does not say

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import time
 
+from nats.errors import ConnectionReconnectingError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.errors import ConnectionReconnectingError, NoRespondersError, TimeoutError as NatsTimeout
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from neuron_bus.errors import NeuronBusError
@@ -22,7 +23,9 @@ MAX_WAIT_S = 120.0
 
 def _is_full(exc: APIError) -> bool:
     text = f"{exc.description or ''}".lower()
-    return "maximum messages per subject" in text or "maximum messages exceeded" in text or exc.err_code in (10077, 10078)
+    return (
+        "maximum messages per subject" in text or "maximum messages exceeded" in text or exc.err_code in (10077, 10078)
+    )
 
 
 async def publish(
@@ -47,14 +50,22 @@ async def publish(
         try:
             await js.publish(subject, body, headers=headers)
             return waits
-        except (APIError, NoStreamResponseError, NatsTimeout, NoRespondersError, ConnectionReconnectingError,
-                asyncio.TimeoutError) as exc:
+        except (
+            TimeoutError,
+            APIError,
+            NoStreamResponseError,
+            NatsTimeout,
+            NoRespondersError,
+            ConnectionReconnectingError,
+        ) as exc:
             full = isinstance(exc, APIError) and _is_full(exc)  # the server answers a full subject with 503
             if not full and isinstance(exc, APIError) and not isinstance(exc, ServiceUnavailableError):
                 raise
             if time.monotonic() > deadline:
                 what = f"{subject} stayed full" if full else f"{subject}: no stream answered"
-                raise NeuronBusError("backpressure_timeout" if full else "bus_unavailable", f"{what} for {max_wait:.0f}s") from exc
+                raise NeuronBusError(
+                    "backpressure_timeout" if full else "bus_unavailable", f"{what} for {max_wait:.0f}s"
+                ) from exc
             waits += 1
             if on_wait:
                 on_wait(waits)

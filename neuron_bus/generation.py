@@ -34,7 +34,15 @@ STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route 
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
 MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
 AVOID_LOST_S = 8.0  # how long a new route must avoid the nodes that were lost (the tracker expires them)
-RETRYABLE = {"node_lost", "node_unreachable", "prefill_failed", "stalled", "backend_error", "route_failed", "unknown_session"}
+RETRYABLE = {
+    "node_lost",
+    "node_unreachable",
+    "prefill_failed",
+    "stalled",
+    "backend_error",
+    "route_failed",
+    "unknown_session",
+}
 HEARTBEAT_LOSS_S = 3.0  # a route node silent this long (workers heartbeat every second) is lost
 LIVENESS_CHECK_S = 0.5
 
@@ -132,7 +140,9 @@ class GenerationRun:
         self.progress.prefill_total = len(self.prompt_tokens)
         for i, hop in enumerate(self.route.hops):
             tail = i == len(self.route.hops) - 1
-            await self.client.control(hop.node_id, self._session_open(i, prompt=list(self.prompt_tokens) if tail else None))
+            await self.client.control(
+                hop.node_id, self._session_open(i, prompt=list(self.prompt_tokens) if tail else None)
+            )
             self.opened.append(hop.node_id)
         self.progress.prefill(0)
         await self._publish_progress()
@@ -141,8 +151,13 @@ class GenerationRun:
     def _session_open(self, hop_index: int, prompt: list[int] | None) -> M.SessionOpen:
         n = len(self.prompt_tokens)
         return M.SessionOpen(
-            session_id=self.session_id, route=self.route, hop_index=hop_index, prompt_tokens=n,
-            n_ctx=n + self.sampling.max_tokens, chunk_size=self.chunk_size, sampling=self.sampling,
+            session_id=self.session_id,
+            route=self.route,
+            hop_index=hop_index,
+            prompt_tokens=n,
+            n_ctx=n + self.sampling.max_tokens,
+            chunk_size=self.chunk_size,
+            sampling=self.sampling,
             prompt=prompt,  # the tail writes it into the validation event
         )
 
@@ -203,16 +218,22 @@ class GenerationRun:
         last_phase = "prefill"
         while True:
             if self.sender.done() and self.sender.exception():
-                raise RouteError("prefill_failed", f"sending the prompt failed: {self.sender.exception()}", phase="prefill")
+                raise RouteError(
+                    "prefill_failed", f"sending the prompt failed: {self.sender.exception()}", phase="prefill"
+                )
             try:
                 kind, data = await asyncio.wait_for(self.queue.get(), STALL_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise RouteError(
-                    "stalled", f"no progress from route {self.route.route_id} for {STALL_TIMEOUT_S:.0f}s", phase=last_phase
+                    "stalled",
+                    f"no progress from route {self.route.route_id} for {STALL_TIMEOUT_S:.0f}s",
+                    phase=last_phase,
                 ) from None
             if kind == "lost":
                 node, silent = data
-                raise RouteError("node_lost", f"node {node} sent no heartbeat for {silent:.1f}s", phase=last_phase, node_id=node)
+                raise RouteError(
+                    "node_lost", f"node {node} sent no heartbeat for {silent:.1f}s", phase=last_phase, node_id=node
+                )
             if kind == "error":
                 err = M.decode(data, M.SessionError)
                 if err.fatal:
@@ -222,8 +243,10 @@ class GenerationRun:
                 t = M.decode(data, M.GenerationTelemetry)
                 if t.phase == "failed":
                     raise RouteError(
-                        "route_failed", t.failure_reason or "route failed",
-                        phase=t.failure_phase or last_phase, node_id=t.failure_node,
+                        "route_failed",
+                        t.failure_reason or "route failed",
+                        phase=t.failure_phase or last_phase,
+                        node_id=t.failure_node,
                     )
                 last_phase = t.phase
                 yield t
@@ -280,7 +303,9 @@ class GenerationRun:
     async def _close_sessions(self) -> None:
         for node in self.opened:
             try:
-                await self.client.control(node, M.SessionClose(session_id=self.session_id, route_id=self.route.route_id), timeout=5)
+                await self.client.control(
+                    node, M.SessionClose(session_id=self.session_id, route_id=self.route.route_id), timeout=5
+                )
             except RouteError:
                 pass  # the node is gone; its cache went with it
         self.opened.clear()

@@ -77,18 +77,31 @@ class LocalSwarm:
 
             auth = render(credentials)
         if cluster == 1:
-            self.servers = [NatsServer(ServerConfig(
-                store_dir=self.workdir / "nats", port=nats_port or free_port(), http_port=http_port or free_port(),
-                extra=auth,
-            ))]
+            self.servers = [
+                NatsServer(
+                    ServerConfig(
+                        store_dir=self.workdir / "nats",
+                        port=nats_port or free_port(),
+                        http_port=http_port or free_port(),
+                        extra=auth,
+                    )
+                )
+            ]
         else:  # a NATS cluster: streams and buckets get ``cluster`` replicas
             routes_ = [free_port() for _ in range(cluster)]
             self.servers = [
-                NatsServer(ServerConfig(
-                    store_dir=self.workdir / f"nats-{i}", port=free_port(), http_port=free_port(), server_name=f"nats-{i}",
-                    cluster_name="neuron", cluster_port=p, routes=[f"nats-route://127.0.0.1:{r}" for r in routes_],
-                    extra=auth,
-                ))
+                NatsServer(
+                    ServerConfig(
+                        store_dir=self.workdir / f"nats-{i}",
+                        port=free_port(),
+                        http_port=free_port(),
+                        server_name=f"nats-{i}",
+                        cluster_name="neuron",
+                        cluster_port=p,
+                        routes=[f"nats-route://127.0.0.1:{r}" for r in routes_],
+                        extra=auth,
+                    )
+                )
                 for i, p in enumerate(routes_)
             ]
         self.prefill_window = prefill_window
@@ -140,24 +153,38 @@ class LocalSwarm:
     def start_worker(self, spec: WorkerSpec) -> subprocess.Popen:
         return self._spawn(
             spec.node_id,
-            ["worker", *(["--artifact", self.artifact_id] if self.artifact_id else ["--model", str(self.model_path)]),
-             "--layers", format_layers(*spec.layers),
-             "--backend", self.backend, "--nats", self.role_url("worker"), "--threads", str(self.threads),
-             "--node-id", spec.node_id, *spec.extra],
+            [
+                "worker",
+                *(["--artifact", self.artifact_id] if self.artifact_id else ["--model", str(self.model_path)]),
+                "--layers",
+                format_layers(*spec.layers),
+                "--backend",
+                self.backend,
+                "--nats",
+                self.role_url("worker"),
+                "--threads",
+                str(self.threads),
+                "--node-id",
+                spec.node_id,
+                *spec.extra,
+            ],
         )
 
     def ports(self) -> list[tuple[str, int, str]]:
         """Every port this swarm binds, with the `neuron-bus up` option that moves it."""
         if len(self.servers) == 1:
             cfg = self.servers[0].config
-            out = [("nats-server client port", cfg.port, "--nats-port"), ("nats-server monitoring port", cfg.http_port, "--http-port")]
+            out = [
+                ("nats-server client port", cfg.port, "--nats-port"),
+                ("nats-server monitoring port", cfg.http_port, "--http-port"),
+            ]
         else:
             out = [p for srv in self.servers for p in srv.ports()]
         if self.gateway_port:
             out.append(("gateway port", self.gateway_port, "--port"))
         return out
 
-    def start(self, timeout: float = 180.0, on_step=None) -> "LocalSwarm":
+    def start(self, timeout: float = 180.0, on_step=None) -> LocalSwarm:
         step = on_step or (lambda text: None)
         check_ports_free("127.0.0.1", self.ports())  # before anything starts
         step(f"nats-server on {self.plain_url}")
@@ -179,8 +206,10 @@ class LocalSwarm:
         self.wait_ready(timeout)
         if self.gateway_port:
             step(f"gateway on {self.gateway_url}")
-            self._spawn("gateway", ["gateway", "--nats", self.role_url("gateway"), "--port", str(self.gateway_port),
-                                    *self.gateway_extra])
+            self._spawn(
+                "gateway",
+                ["gateway", "--nats", self.role_url("gateway"), "--port", str(self.gateway_port), *self.gateway_extra],
+            )
             self.wait_gateway(timeout)
         return self
 
@@ -191,7 +220,9 @@ class LocalSwarm:
         while time.monotonic() < deadline:
             proc = self.procs["gateway"]
             if proc.poll() is not None:
-                raise NeuronBusError("swarm_failed", f"gateway exited with {proc.returncode}: {self.log_tail('gateway')}")
+                raise NeuronBusError(
+                    "swarm_failed", f"gateway exited with {proc.returncode}: {self.log_tail('gateway')}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.gateway_url}/healthz", timeout=5) as resp:
                     if resp.status == 200:
@@ -295,7 +326,7 @@ class LocalSwarm:
         for srv in self.servers:
             srv.stop()
 
-    def __enter__(self) -> "LocalSwarm":
+    def __enter__(self) -> LocalSwarm:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -676,5 +676,9 @@ def decode(data: bytes, kind):
     try:
         return msgspec.json.decode(data, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        name = getattr(kind, "__name__", None) or " | ".join(k.__name__ for k in getattr(kind, "__args__", ())) or str(kind)
+        name = (
+            getattr(kind, "__name__", None)
+            or " | ".join(k.__name__ for k in getattr(kind, "__args__", ()))
+            or str(kind)
+        )
         raise MalformedMessage("bad_json", f"malformed {name}: {exc}") from exc

@@ -78,9 +78,7 @@ def resolve(name_or_path: str) -> Path:
         if not path.is_file():
             raise UnknownModel(f"no such model file: {path}")
         return path
-    raise UnknownModel(
-        f"unknown model {name_or_path!r}: use a path to a .gguf file or one of {', '.join(PRESETS)}"
-    )
+    raise UnknownModel(f"unknown model {name_or_path!r}: use a path to a .gguf file or one of {', '.join(PRESETS)}")
 
 
 def preset_for(path: Path) -> str:

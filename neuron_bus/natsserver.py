@@ -51,7 +51,9 @@ def port_taken(host: str, port: int) -> bool:
 
 def check_ports_free(host: str, ports: list[tuple[str, int, str]]) -> None:
     """Refuse to start when any of ``ports`` ((what, port, option to change it)) is taken, naming each."""
-    taken = [f"{what} {port} ({option} to choose another)" for what, port, option in ports if port and port_taken(host, port)]
+    taken = [
+        f"{what} {port} ({option} to choose another)" for what, port, option in ports if port and port_taken(host, port)
+    ]
     if taken:
         raise ServerError("port_in_use", f"port in use on {host}: " + "; ".join(taken))
 
@@ -130,12 +132,15 @@ class NatsServer:
     def ports(self) -> list[tuple[str, int, str]]:
         """Every port this server binds: (what, port, the option that sets it)."""
         cfg = self.config
-        out = [("nats-server client port", cfg.port, "--port"), ("nats-server monitoring port", cfg.http_port, "--http-port")]
+        out = [
+            ("nats-server client port", cfg.port, "--port"),
+            ("nats-server monitoring port", cfg.http_port, "--http-port"),
+        ]
         if cfg.cluster_port:
             out.append(("nats-server cluster port", cfg.cluster_port, "--cluster-port"))
         return out
 
-    def start(self, timeout: float = 20.0) -> "NatsServer":
+    def start(self, timeout: float = 20.0) -> NatsServer:
         cfg = self.config
         check_ports_free(cfg.host, self.ports())
         cfg.store_dir.mkdir(parents=True, exist_ok=True)
@@ -191,7 +196,7 @@ class NatsServer:
             proc.kill()
             proc.wait(5)
 
-    def __enter__(self) -> "NatsServer":
+    def __enter__(self) -> NatsServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

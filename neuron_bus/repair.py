@@ -38,27 +38,40 @@ def repaired_route(route: M.RouteAssignment, hop_index: int, node: M.TrackedNode
     for i, h in enumerate(route.hops):
         if i == hop_index:
             h = M.RouteHop(
-                node_id=node.node_id, layer_start=node.layer_start, layer_end=node.layer_end, subject="",
-                backend_id=node.backend_id, cache_abi=node.cache_abi, trust_tier=node.trust_tier,
+                node_id=node.node_id,
+                layer_start=node.layer_start,
+                layer_end=node.layer_end,
+                subject="",
+                backend_id=node.backend_id,
+                cache_abi=node.cache_abi,
+                trust_tier=node.trust_tier,
             )
         hops.append(msgspec.structs.replace(h, subject=hop_subject(route_id, i)))
     return msgspec.structs.replace(route, route_id=route_id, hops=hops, created_at=time.time())
 
 
-def pick_replacement(report: M.CoverageReport, route: M.RouteAssignment, hop: M.RouteHop, exclude: set[str]) -> M.TrackedNode | None:
+def pick_replacement(
+    report: M.CoverageReport, route: M.RouteAssignment, hop: M.RouteHop, exclude: set[str]
+) -> M.TrackedNode | None:
     """A live node of the same model revision, backend, cache ABI and exact layer range, that the
     route's policy admits (trusted tiers unless public) and that audits have not flagged."""
     groups = [
-        m for m in report.models
+        m
+        for m in report.models
         if (m.model_preset, m.model_revision, m.backend_id, m.cache_abi)
         == (route.model_preset, route.model_revision, hop.backend_id, hop.cache_abi)
     ]
     live = {n for m in groups for n in m.nodes_live}
     candidates = [
-        n for n in report.nodes
-        if n.node_id in live and n.alive and n.node_id not in exclude and n.status == "ready"
+        n
+        for n in report.nodes
+        if n.node_id in live
+        and n.alive
+        and n.node_id not in exclude
+        and n.status == "ready"
         and (n.layer_start, n.layer_end) == (hop.layer_start, hop.layer_end)
-        and not n.flagged and (route.policy == "public" or n.trust_tier in TRUSTED_TIERS)
+        and not n.flagged
+        and (route.policy == "public" or n.trust_tier in TRUSTED_TIERS)
     ]
     if not candidates:
         return None
@@ -66,13 +79,19 @@ def pick_replacement(report: M.CoverageReport, route: M.RouteAssignment, hop: M.
 
 
 async def repair(
-    client, route: M.RouteAssignment, dead: str, session: M.SessionOpen, generated: list[int], attempt: int,
+    client,
+    route: M.RouteAssignment,
+    dead: str,
+    session: M.SessionOpen,
+    generated: list[int],
+    attempt: int,
     exclude: set[str],
 ) -> tuple[M.RouteAssignment, int, M.TrackedNode]:
     """Repair ``route`` around ``dead``; return the new route, the replay start and the replacement.
 
     ``session`` is hop 0's open request (the session's prompt size, n_ctx, chunking, sampling).
     """
+
     def fail(reason: str, message: str, node: str | None = dead) -> RouteError:
         return RouteError(reason, message, phase="decode", node_id=node)
 
@@ -98,19 +117,25 @@ async def repair(
             continue
         held = [s for s in (await client.sessions(h.node_id)).sessions if s.session_id == session.session_id]
         if not held:
-            raise fail("hot_kv_lost", f"node {h.node_id} no longer holds session {session.session_id} (restarted?)", h.node_id)
+            raise fail(
+                "hot_kv_lost", f"node {h.node_id} no longer holds session {session.session_id} (restarted?)", h.node_id
+            )
         positions.append(held[0].position)
     limit = min([*positions, replay_end - 1])
     new = repaired_route(route, index, node, attempt)
 
     def resume(i: int, position: int, restore: bool) -> M.SessionResume:
         opened = msgspec.structs.replace(session, route=new, hop_index=i)
-        return M.SessionResume(open=opened, position=position, replay_end=replay_end, generated=generated, restore=restore)
+        return M.SessionResume(
+            open=opened, position=position, replay_end=replay_end, generated=generated, restore=restore
+        )
 
     try:
         restored = await client.control(node.node_id, resume(index, limit, True), timeout=REPAIR_TIMEOUT_S)
     except RouteError as exc:
-        raise fail(exc.reason, f"replacement {node.node_id} cannot take over from {dead}: {exc}", node.node_id) from None
+        raise fail(
+            exc.reason, f"replacement {node.node_id} cannot take over from {dead}: {exc}", node.node_id
+        ) from None
     for i, h in enumerate(route.hops):
         if i != index:
             try:

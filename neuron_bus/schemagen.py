@@ -1,7 +1,7 @@
 """Generate schemas/ (JSON Schema, one file per message) from the msgspec Structs.
 
-    python -m neuron_bus.schemagen          # write schemas/
-    python -m neuron_bus.schemagen --check  # exit 1 if schemas/ is stale
+python -m neuron_bus.schemagen          # write schemas/
+python -m neuron_bus.schemagen --check  # exit 1 if schemas/ is stale
 """
 
 from __future__ import annotations
@@ -31,7 +31,11 @@ def stale(schema_dir: Path = SCHEMA_DIR) -> list[str]:
     """Names of files that are missing, different, or no longer generated."""
     want = render()
     have = {p.name for p in schema_dir.glob("*.json")} if schema_dir.is_dir() else set()
-    out = [name for name, text in want.items() if not (schema_dir / name).is_file() or (schema_dir / name).read_text() != text]
+    out = [
+        name
+        for name, text in want.items()
+        if not (schema_dir / name).is_file() or (schema_dir / name).read_text() != text
+    ]
     out += sorted(have - set(want))
     return out
 

@@ -105,7 +105,9 @@ def paired_decode(model_path: Path, threads: int, ids: list[int], n_decode: int,
     try:
         with LocalSwarm(model_path, 2, threads=threads, workdir=workdir / "paired") as swarm:
             asyncio.run(route_rate(swarm.url))  # warm-up
-            return [(single_decode_rate(backend, ids, n_decode), asyncio.run(route_rate(swarm.url))) for _ in range(pairs)]
+            return [
+                (single_decode_rate(backend, ids, n_decode), asyncio.run(route_rate(swarm.url))) for _ in range(pairs)
+            ]
     finally:
         backend.close()
 
@@ -131,7 +133,7 @@ class RssSampler:
                     pass
             time.sleep(0.05)
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self._thread.start()
         return self
 
@@ -155,7 +157,10 @@ async def generation(client: NeuronClient, route, ids: list[int], n_decode: int)
     t0 = time.perf_counter()
     stamps = []
     async for ev in client.generate(
-        prompt_tokens=ids, route=route, chunk_size=512, sampling=M.SamplingParams(max_tokens=n_decode + 1, ignore_eos=True)
+        prompt_tokens=ids,
+        route=route,
+        chunk_size=512,
+        sampling=M.SamplingParams(max_tokens=n_decode + 1, ignore_eos=True),
     ):
         if isinstance(ev, M.TokenDelta):
             stamps.append(time.perf_counter())
@@ -191,7 +196,10 @@ async def route_figures(
     url: str, ids_by_size: dict[int, list[int]], n_decode: int, concurrency: tuple[int, ...], ports: list[int]
 ) -> dict:
     out: dict = {
-        "prefill_tok_s": {}, "ttft_s": {}, "aggregate_decode_tok_s": {}, "token_intervals_s": [],
+        "prefill_tok_s": {},
+        "ttft_s": {},
+        "aggregate_decode_tok_s": {},
+        "token_intervals_s": [],
         "backend_ms_per_token": {},
     }
     async with await NeuronClient.connect(url) as client:
@@ -208,7 +216,9 @@ async def route_figures(
         out["token_intervals_s"] = list(np.diff(best["stamps"]))
         for k in concurrency:
             busy0, steps0 = decode_backend_seconds(ports)
-            runs = await asyncio.gather(*(generation(client, route, small[: 64 + i], max(n_decode, 128)) for i in range(k)))
+            runs = await asyncio.gather(
+                *(generation(client, route, small[: 64 + i], max(n_decode, 128)) for i in range(k))
+            )
             out["aggregate_decode_tok_s"][k] = steady_decode_rate([r["stamps"] for r in runs])
             busy1, steps1 = decode_backend_seconds(ports)
             out["backend_ms_per_token"][k] = 1000 * (busy1 - busy0) / max(steps1 - steps0, 1)
@@ -216,17 +226,29 @@ async def route_figures(
 
 
 def bench_route(
-    model_path: Path, shards: int, backend: str, threads: int, ids_by_size: dict[int, list[int]], n_decode: int,
-    workdir: Path, concurrency: tuple[int, ...] = (),
+    model_path: Path,
+    shards: int,
+    backend: str,
+    threads: int,
+    ids_by_size: dict[int, list[int]],
+    n_decode: int,
+    workdir: Path,
+    concurrency: tuple[int, ...] = (),
 ) -> dict:
     ports = [free_port() for _ in range(shards)]
     swarm = LocalSwarm(
-        model_path, shards, backend=backend, threads=threads, workdir=workdir / f"{backend}-{shards}",
+        model_path,
+        shards,
+        backend=backend,
+        threads=threads,
+        workdir=workdir / f"{backend}-{shards}",
         worker_extra={i: ["--metrics-port", str(p), "--max-sessions", "8"] for i, p in enumerate(ports)},
     )
     with swarm:
         pids = {n: p.pid for n, p in swarm.procs.items() if n.startswith("worker")}
-        seam0 = {ph: scrape(ports[0], "neuron_seam_bytes_total", phase=ph, direction="out") for ph in ("prefill", "decode")}
+        seam0 = {
+            ph: scrape(ports[0], "neuron_seam_bytes_total", phase=ph, direction="out") for ph in ("prefill", "decode")
+        }
         msgs0 = scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out")
         prompt0 = scrape(ports[0], "neuron_tokens_total", phase="prefill")
         with RssSampler(pids) as rss:
@@ -263,8 +285,11 @@ def main() -> int:
     ids_by_size = {n: prompt_ids(tok, n) for n in sizes}
     n_decode = 48 if args.quick else 128
     work = Path(tempfile.mkdtemp(prefix="neuron-bench-"))
-    print(f"model {model_path.name}; prefill {list(sizes)} tokens; {n_decode} decode tokens; "
-          f"{args.threads} thread(s) per process; {psutil.cpu_count()} cores", flush=True)
+    print(
+        f"model {model_path.name}; prefill {list(sizes)} tokens; {n_decode} decode tokens; "
+        f"{args.threads} thread(s) per process; {psutil.cpu_count()} cores",
+        flush=True,
+    )
 
     t = time.time()
     single = bench_single(model_path, args.threads, ids_by_size, n_decode)
@@ -319,19 +344,29 @@ def main() -> int:
         row(name, r, "/".join(f"{v / 2**20:.0f}" for v in r["peak_rss_bytes"].values()))
     agg = r2["aggregate_decode_tok_s"]
     print()
-    print("aggregate decode tok/s, 2-hop llama.cpp route: " + ", ".join(f"{k} sessions {v:.1f}" for k, v in agg.items())
-          + f"  (8 vs 1: {agg[8] / agg[1]:.2f}x; 8 vs single process: {agg[8] / single['decode_tok_s']:.2f}x)")
+    print(
+        "aggregate decode tok/s, 2-hop llama.cpp route: "
+        + ", ".join(f"{k} sessions {v:.1f}" for k, v in agg.items())
+        + f"  (8 vs 1: {agg[8] / agg[1]:.2f}x; 8 vs single process: {agg[8] / single['decode_tok_s']:.2f}x)"
+    )
     cost = r2["backend_ms_per_token"]
     cores = psutil.cpu_count()
     ceiling = {k: cores * 1000 / v for k, v in cost.items()}
-    print("  backend time per decoded token, all hops: " + ", ".join(f"{k} sessions {v:.1f} ms" for k, v in cost.items())
-          + f"; at that cost {cores} cores cap 8 sessions at {ceiling[8]:.0f} tok/s ({ceiling[8] / agg[1]:.2f}x one session)")
-    print("2-hop decode vs single process, measured alternately: "
-          + ", ".join(f"{r:.1f}/{s:.1f} = {r / s:.2f}x" for s, r in paired)
-          + f"  (median {statistics.median(paired_ratios):.2f}x)")
-    print(f"per-hop overhead with no-op hops: p50 {per_hop_p50:.3f} ms "
-          f"(a bare two-process JetStream relay on this machine: {floor_ms:.3f} ms per leg; "
-          f"{floor_think_ms:.3f} ms when each leg also waits {think_ms:.1f} ms for a backend thread)")
+    print(
+        "  backend time per decoded token, all hops: "
+        + ", ".join(f"{k} sessions {v:.1f} ms" for k, v in cost.items())
+        + f"; at that cost {cores} cores cap 8 sessions at {ceiling[8]:.0f} tok/s ({ceiling[8] / agg[1]:.2f}x one session)"
+    )
+    print(
+        "2-hop decode vs single process, measured alternately: "
+        + ", ".join(f"{r:.1f}/{s:.1f} = {r / s:.2f}x" for s, r in paired)
+        + f"  (median {statistics.median(paired_ratios):.2f}x)"
+    )
+    print(
+        f"per-hop overhead with no-op hops: p50 {per_hop_p50:.3f} ms "
+        f"(a bare two-process JetStream relay on this machine: {floor_ms:.3f} ms per leg; "
+        f"{floor_think_ms:.3f} ms when each leg also waits {think_ms:.1f} ms for a backend thread)"
+    )
     big = max(sizes)
     prefill_time_ratio = single["prefill_tok_s"][big] / r2["prefill_tok_s"][big]
     print(f"{big}-token prefill, 2-hop route time / single-process time: {prefill_time_ratio:.2f}")
@@ -365,7 +400,8 @@ def main() -> int:
         "backend_ms_per_decode_token": cost,
         "concurrent8_cpu_ceiling_tok_s": ceiling[8],
         f"prefill{big // 1024}k_route2_vs_single_ratio": prefill_time_ratio,
-        "peak_rss_bytes": {name: r["peak_rss_bytes"] for name, r in contenders.items()} | {"single": single["rss_bytes"]},
+        "peak_rss_bytes": {name: r["peak_rss_bytes"] for name, r in contenders.items()}
+        | {"single": single["rss_bytes"]},
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -52,7 +52,10 @@ async def relay(url: str, me: str, other: str, legs: int, start: bool, think_ms:
         await msg.ack()
 
     await js.subscribe(
-        f"floor.{me}", stream=STREAM, cb=on_msg, manual_ack=True,
+        f"floor.{me}",
+        stream=STREAM,
+        cb=on_msg,
+        manual_ack=True,
         config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, max_ack_pending=256),
     )
     await nc.flush()
@@ -95,14 +98,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--legs", type=int, default=2000)
     ap.add_argument("--think-ms", type=float, default=0.0, help="backend time per leg to mimic (subtracted)")
-    ap.add_argument("--relay", nargs=6, metavar=("URL", "ME", "OTHER", "LEGS", "START", "THINK"), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--relay", nargs=6, metavar=("URL", "ME", "OTHER", "LEGS", "START", "THINK"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args()
     if args.relay:
         url, me, other, legs, start, think = args.relay
         asyncio.run(relay(url, me, other, int(legs), start == "1", float(think)))
         return 0
-    print(f"JetStream relay floor: p50 {measure(args.legs, args.think_ms):.3f} ms per leg"
-          + (f" beyond {args.think_ms:g} ms of backend time" if args.think_ms else ""))
+    print(
+        f"JetStream relay floor: p50 {measure(args.legs, args.think_ms):.3f} ms per leg"
+        + (f" beyond {args.think_ms:g} ms of backend time" if args.think_ms else "")
+    )
     return 0
 
 

@@ -34,7 +34,9 @@ class TinyLlama:
 
 def _vocab() -> tuple[list[str], list[float], list[int]]:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + ["\u2581" + chr(c) for c in range(ord("a"), ord("z") + 1)]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [
+        "\u2581" + chr(c) for c in range(ord("a"), ord("z") + 1)
+    ]
     tokens += letters
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(letters))]
     types = [2, 3, 3] + [6] * 256 + [1] * len(letters)  # UNKNOWN, CONTROL, BYTE, NORMAL

@@ -127,7 +127,19 @@ async def test_corrupt_piece_in_store_fails_fetch_and_leaves_nothing(nats_server
     existing = tmp_path / "existing"
     existing.mkdir()
     res = subprocess.run(
-        [CLI, "artifact", "fetch", "--model", m.artifact_id, "--layers", "0-3", "-o", existing, "--nats", nats_server.url],
+        [
+            CLI,
+            "artifact",
+            "fetch",
+            "--model",
+            m.artifact_id,
+            "--layers",
+            "0-3",
+            "-o",
+            existing,
+            "--nats",
+            nats_server.url,
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -188,12 +200,16 @@ def test_cli_publish_fetch_and_bad_input(nats_server, tiny, tmp_path):
     (tmp_path / "other").mkdir()
     other = write_tiny_llama(tmp_path / "other" / tiny.name, TinyLlama(seed=3))
     assert_one_line_error(cli("publish", other, "--manifest", tmp_path / "m.json"), "different file")
-    assert_one_line_error(cli("fetch", "--model", m.artifact_id, "--layers", "0-1", "-o", tmp_path / "o"), "not in the store")
+    assert_one_line_error(
+        cli("fetch", "--model", m.artifact_id, "--layers", "0-1", "-o", tmp_path / "o"), "not in the store"
+    )
 
     res = cli("publish", tiny, "--piece-size", PIECE)
     assert res.returncode == 0, res.stderr
     assert m.artifact_id in res.stdout
-    assert_one_line_error(cli("fetch", "--model", m.artifact_id, "--layers", "2-7", "-o", tmp_path / "o"), "outside the model")
+    assert_one_line_error(
+        cli("fetch", "--model", m.artifact_id, "--layers", "2-7", "-o", tmp_path / "o"), "outside the model"
+    )
     assert not (tmp_path / "o").exists()
     res = cli("fetch", "--model", m.artifact_id, "--layers", "2-3", "-o", tmp_path / "o")
     assert res.returncode == 0, res.stderr

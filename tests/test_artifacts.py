@@ -346,7 +346,9 @@ def test_cli_manifest_plan_slice_verify(tiny_gguf, tmp_path):
     import json
 
     assert json.loads(res.stdout)["pieces"] == plan(m, 1, 3).pieces
-    res = run_cli("slice", tiny_gguf, "--layers", "1-2", "-o", tmp_path / "d" / "s.gguf", "--manifest", tmp_path / "m.json")
+    res = run_cli(
+        "slice", tiny_gguf, "--layers", "1-2", "-o", tmp_path / "d" / "s.gguf", "--manifest", tmp_path / "m.json"
+    )
     assert res.returncode == 0, res.stderr
     res = run_cli("verify", tmp_path / "d", "--manifest", tmp_path / "m.json", "--json")
     assert res.returncode == 0, res.stderr
@@ -376,7 +378,9 @@ def test_cli_truncated_gguf(tiny_gguf, tmp_path):
 
 def test_cli_layer_range_outside_the_model(tiny_gguf, tmp_path):
     out = tmp_path / "out"
-    assert_one_line_error(run_cli("slice", tiny_gguf, "--layers", "2-4", "-o", out / "s.gguf"), "outside the model", "0-3")
+    assert_one_line_error(
+        run_cli("slice", tiny_gguf, "--layers", "2-4", "-o", out / "s.gguf"), "outside the model", "0-3"
+    )
     assert_one_line_error(run_cli("slice", tiny_gguf, "--layers", "3-1", "-o", out / "s.gguf"), "bad layer range")
     save_manifest(build_manifest(tiny_gguf, piece_size=PIECE), tmp_path / "m.json")
     assert_one_line_error(run_cli("plan", tmp_path / "m.json", "--layers", "0-9"), "outside the model")
@@ -398,4 +402,6 @@ def test_cli_manifest_for_a_different_file(tiny_gguf, tmp_path):
     other2 = write_tiny_llama(tmp_path / "other2.gguf", TinyLlama(n_layers=2))
     assert_one_line_error(run_cli("verify", other2, "--manifest", tmp_path / "m.json"), "not a file of artifact")
     (tmp_path / "junk.json").write_text('{"hello": 1}')
-    assert_one_line_error(run_cli("verify", tiny_gguf, "--manifest", tmp_path / "junk.json"), "not an artifact manifest")
+    assert_one_line_error(
+        run_cli("verify", tiny_gguf, "--manifest", tmp_path / "junk.json"), "not an artifact manifest"
+    )

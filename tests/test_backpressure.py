@@ -31,7 +31,12 @@ async def watch_generation(swarm: LocalSwarm, ids: list[int], chunk: int, pids: 
         js = client.nc.jetstream()
         route = await client.route(swarm.preset)
         gen = asyncio.create_task(
-            client.complete(prompt_tokens=ids, route=route, chunk_size=chunk, sampling=M.SamplingParams(max_tokens=2, ignore_eos=True))
+            client.complete(
+                prompt_tokens=ids,
+                route=route,
+                chunk_size=chunk,
+                sampling=M.SamplingParams(max_tokens=2, ignore_eos=True),
+            )
         )
         while not gen.done():
             info = await js.stream_info(S.STREAM_PREFILL, subjects_filter=f"neuron.act.{route.route_id}.>")
@@ -53,7 +58,10 @@ def test_slow_hop_holds_its_upstream_to_the_window(smollm2_path, tmp_path):
 
     ids = prompt(Tokenizer(smollm2_path), 640)
     swarm = LocalSwarm(
-        smollm2_path, 2, workdir=tmp_path, prefill_window=WINDOW,
+        smollm2_path,
+        2,
+        workdir=tmp_path,
+        prefill_window=WINDOW,
         worker_extra={1: ["--slow-ms", "150"]},  # the tail takes 150 ms more per chunk
     )
     with swarm:

@@ -29,7 +29,9 @@ def test_concurrent_sessions_batch_decode_and_match_their_solo_runs(smollm2_path
     prompts = [tok.encode(p) for p in PROMPTS]
     sampling = M.SamplingParams(max_tokens=32, ignore_eos=True)
     ports = [free_port(), free_port()]
-    swarm = LocalSwarm(smollm2_path, 2, workdir=tmp_path, worker_extra={i: ["--metrics-port", str(p)] for i, p in enumerate(ports)})
+    swarm = LocalSwarm(
+        smollm2_path, 2, workdir=tmp_path, worker_extra={i: ["--metrics-port", str(p)] for i, p in enumerate(ports)}
+    )
 
     async def one(client, ids):
         return (await client.complete(prompt_tokens=ids, sampling=sampling)).tokens

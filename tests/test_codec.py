@@ -16,9 +16,20 @@ from neuron_bus.messages import ActivationHeader
 
 def header(**kw) -> ActivationHeader:
     base = dict(
-        session_id="s1", route_id="r1", model_preset="smollm2-135m", model_revision="abc",
-        backend_id="llama-cpp", cache_abi="abi-1", layer_start=0, layer_end=15, position=0,
-        phase="prefill", seq=0, dtype="f32", shape=[], encoding="raw",
+        session_id="s1",
+        route_id="r1",
+        model_preset="smollm2-135m",
+        model_revision="abc",
+        backend_id="llama-cpp",
+        cache_abi="abi-1",
+        layer_start=0,
+        layer_end=15,
+        position=0,
+        phase="prefill",
+        seq=0,
+        dtype="f32",
+        shape=[],
+        encoding="raw",
     )
     base.update(kw)
     return ActivationHeader(**base)

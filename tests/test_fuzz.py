@@ -64,17 +64,37 @@ class Loop:
 def mutate(draw, headers: dict[str, str], body: bytes) -> tuple[dict[str, str] | None, bytes]:
     headers = dict(headers)
     for _ in range(draw(st.integers(1, 3))):
-        kind = draw(st.sampled_from([
-            "drop", "text", "int", "dtype", "encoding", "shape", "phase", "layers",
-            "skip_position", "truncate", "extend", "random_body", "empty_body", "zstd_garbage", "huge_shape", "no_headers",
-        ]))
+        kind = draw(
+            st.sampled_from(
+                [
+                    "drop",
+                    "text",
+                    "int",
+                    "dtype",
+                    "encoding",
+                    "shape",
+                    "phase",
+                    "layers",
+                    "skip_position",
+                    "truncate",
+                    "extend",
+                    "random_body",
+                    "empty_body",
+                    "zstd_garbage",
+                    "huge_shape",
+                    "no_headers",
+                ]
+            )
+        )
         key = draw(st.sampled_from(sorted(headers))) if headers else "seq"
         if kind == "drop" and headers:
             headers.pop(key)
         elif kind == "text":
             headers[key] = draw(ascii_text)
         elif kind == "int":
-            headers[draw(st.sampled_from(["position", "seq", "layer_start", "layer_end"]))] = str(draw(st.integers(-(10**12), 10**12)))
+            headers[draw(st.sampled_from(["position", "seq", "layer_start", "layer_end"]))] = str(
+                draw(st.integers(-(10**12), 10**12))
+            )
         elif kind == "dtype":
             headers["dtype"] = draw(st.sampled_from(["f32", "bf16", "i32", "f64", "", "F32"]))
         elif kind == "encoding":
@@ -84,7 +104,9 @@ def mutate(draw, headers: dict[str, str], body: bytes) -> tuple[dict[str, str] |
         elif kind == "phase":
             headers["phase"] = draw(st.sampled_from(["prefill", "decode", "finalizing", ""]))
         elif kind == "layers":
-            headers["layer_start"], headers["layer_end"] = (str(v) for v in draw(st.tuples(st.integers(-3, 40), st.integers(-3, 40))))
+            headers["layer_start"], headers["layer_end"] = (
+                str(v) for v in draw(st.tuples(st.integers(-3, 40), st.integers(-3, 40)))
+            )
         elif kind == "skip_position":
             try:
                 headers["position"] = str(int(headers.get("position", "0")) + draw(st.integers(1, 10**6)))
@@ -100,7 +122,11 @@ def mutate(draw, headers: dict[str, str], body: bytes) -> tuple[dict[str, str] |
             body = b""
         elif kind == "zstd_garbage":
             headers["encoding"] = "zstd"
-            body = draw(st.sampled_from([zstandard.ZstdCompressor().compress(body[: len(body) // 2]), b"\x28\xb5\x2f\xfd" + body[:64]]))
+            body = draw(
+                st.sampled_from(
+                    [zstandard.ZstdCompressor().compress(body[: len(body) // 2]), b"\x28\xb5\x2f\xfd" + body[:64]]
+                )
+            )
         elif kind == "huge_shape":
             headers["shape"] = f"{draw(st.integers(10**5, 10**7))},576"
         elif kind == "no_headers":
@@ -144,11 +170,15 @@ def test_malformed_messages_never_disturb_a_decoding_session(swarm):
         await sub.unsubscribe()
         probe = f"probe{int(time.time() * 1000)}"
         for i, hop in enumerate(route.hops):
-            await client.control(hop.node_id, M.SessionOpen(session_id=probe, route=route, hop_index=i, prompt_tokens=4, n_ctx=512))
+            await client.control(
+                hop.node_id, M.SessionOpen(session_id=probe, route=route, hop_index=i, prompt_tokens=4, n_ctx=512)
+            )
         return client, route, ids, solo, captured, probe
 
     client, route, ids, solo, captured, probe = loop.run(setup())
-    assert any(h.get("phase") == "decode" for _, h, _ in captured) and any(h.get("phase") == "prefill" for _, h, _ in captured)
+    assert any(h.get("phase") == "decode" for _, h, _ in captured) and any(
+        h.get("phase") == "prefill" for _, h, _ in captured
+    )
     nodes = [h.node_id for h in route.hops]
 
     async def victim():
@@ -201,7 +231,9 @@ def test_malformed_messages_never_disturb_a_decoding_session(swarm):
             lambda op, fields: json.dumps({"op": op, **fields}).encode(),
             st.sampled_from(["open", "close", "resume", "sessions", "ping", "tokenize", "bogus", ""]),
             st.dictionaries(
-                st.sampled_from(["session_id", "route", "hop_index", "position", "replay_end", "text", "sent_at", "n_ctx"]),
+                st.sampled_from(
+                    ["session_id", "route", "hop_index", "position", "replay_end", "text", "sent_at", "n_ctx"]
+                ),
                 st.one_of(st.integers(-(10**6), 10**6), ascii_text, st.none(), st.lists(st.integers(), max_size=3)),
                 max_size=5,
             ),

@@ -116,8 +116,11 @@ def test_openai_client_streams_chat_and_returns_logprobs_and_usage(swarm):
     assert MODEL in [m.id for m in client.models.list()]
     messages = [{"role": "user", "content": "Name three colours."}]
 
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=16, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert text.strip() and finish in (["stop"], ["length"])
@@ -135,7 +138,9 @@ def test_openai_client_streams_chat_and_returns_logprobs_and_usage(swarm):
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy picks the most likely
 
-    done = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=6, logprobs=2, extra_body={"ignore_eos": True})
+    done = client.completions.create(
+        model=MODEL, prompt="The sea is", max_tokens=6, logprobs=2, extra_body={"ignore_eos": True}
+    )
     lp = done.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6 == done.usage.completion_tokens
     assert "".join(lp.tokens) == done.choices[0].text and done.choices[0].finish_reason == "length"
@@ -155,7 +160,7 @@ def test_streamed_completion_ends_with_done_and_carries_telemetry_comments(swarm
     assert data[-1] == "[DONE]"
     chunks = [json.loads(d) for d in data[:-1]]
     assert len(chunks) == 4 and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
-    phases = [json.loads(line[len(": telemetry "):])["phase"] for line in lines if line.startswith(": telemetry ")]
+    phases = [json.loads(line[len(": telemetry ") :])["phase"] for line in lines if line.startswith(": telemetry ")]
     assert phases[:3] == ["queued", "loading", "prefill"]
 
 
@@ -165,16 +170,26 @@ def test_streamed_completion_ends_with_done_and_carries_telemetry_comments(swarm
 def test_websocket_shows_progress_tokens_tps_and_final_state_and_nats_sees_the_same(swarm):
     listener = TelemetryListener(swarm.url)
     try:
-        msgs = asyncio.run(ws_run(ws_url(swarm), {
-            "type": "generate", "prompt": LONG_PROMPT, "max_tokens": 48, "ignore_eos": True,
-        }))
+        msgs = asyncio.run(
+            ws_run(
+                ws_url(swarm),
+                {
+                    "type": "generate",
+                    "prompt": LONG_PROMPT,
+                    "max_tokens": 48,
+                    "ignore_eos": True,
+                },
+            )
+        )
         time.sleep(1.0)  # the tail's last telemetry reaches the listener
     finally:
         listener.stop()
     first_token = next(i for i, m in enumerate(msgs) if m["type"] == "token")
     before = [m for m in msgs[:first_token] if m["type"] == "telemetry"]
     assert [m["phase"] for m in before][:3] == ["queued", "loading", "prefill"]
-    partial = [m for m in before if m["phase"] == "prefill" and 0 < m["prefill_tokens_done"] < m["prefill_tokens_total"]]
+    partial = [
+        m for m in before if m["phase"] == "prefill" and 0 < m["prefill_tokens_done"] < m["prefill_tokens_total"]
+    ]
     assert partial, "no prefill progress before the first token"
     assert [m["prefill_tokens_done"] for m in partial] == sorted(m["prefill_tokens_done"] for m in partial)
 
@@ -207,9 +222,12 @@ def test_websocket_refusals_keep_the_socket_open(swarm):
     async def scenario():
         async with aiohttp.ClientSession() as session, session.ws_connect(ws_url(swarm) + "/ws") as ws:
             out = []
-            for bad in ("{not json", json.dumps({"type": "generate", "model": "no-such-model", "prompt": "x"}),
-                        json.dumps({"type": "generate", "prompt": "x", "max_tokens": -1}),
-                        json.dumps({"type": "attach", "session_id": "nosuchsession"})):
+            for bad in (
+                "{not json",
+                json.dumps({"type": "generate", "model": "no-such-model", "prompt": "x"}),
+                json.dumps({"type": "generate", "prompt": "x", "max_tokens": -1}),
+                json.dumps({"type": "attach", "session_id": "nosuchsession"}),
+            ):
                 await ws.send_str(bad)
                 out.append(await ws.receive_json(timeout=30))
             await ws.send_json({"type": "coverage"})
@@ -221,7 +239,9 @@ def test_websocket_refusals_keep_the_socket_open(swarm):
 
     out, last = asyncio.run(scenario())
     assert [(m["type"], m["status"], m["reason"]) for m in out[:4]] == [
-        ("error", 400, "invalid_json"), ("error", 404, "model_not_found"), ("error", 422, "out_of_range"),
+        ("error", 400, "invalid_json"),
+        ("error", 404, "model_not_found"),
+        ("error", 422, "out_of_range"),
         ("error", 404, "unknown_session"),
     ]
     assert out[4]["type"] == "coverage" and out[4]["models"] == [MODEL]
@@ -235,18 +255,53 @@ def test_websocket_refusals_keep_the_socket_open(swarm):
 BAD = [
     ("malformed JSON", "/v1/chat/completions", b'{"model": ', 400, "invalid_json"),
     ("not an object", "/v1/completions", b"[1, 2]", 400, "invalid_json"),
-    ("unknown model", "/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "model_not_found"),
+    (
+        "unknown model",
+        "/v1/chat/completions",
+        {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]},
+        404,
+        "model_not_found",
+    ),
     ("missing model", "/v1/completions", {"prompt": "hi"}, 400, "missing_required_parameter"),
     ("missing messages", "/v1/chat/completions", {"model": MODEL}, 400, "missing_required_parameter"),
     ("max_tokens zero", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 422, "out_of_range"),
     ("max_tokens huge", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**6}, 422, "out_of_range"),
-    ("max_tokens a string", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "9"}, 422, "invalid_type"),
-    ("temperature out of range", "/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 9}, 422, "out_of_range"),
+    (
+        "max_tokens a string",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "max_tokens": "9"},
+        422,
+        "invalid_type",
+    ),
+    (
+        "temperature out of range",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "temperature": 9},
+        422,
+        "out_of_range",
+    ),
     ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 422, "unsupported_value"),
-    ("bad role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 422, "invalid_value"),
-    ("prompt too many characters", "/v1/completions", {"model": MODEL, "prompt": "a" * 70_000}, 413, "context_length_exceeded"),
-    ("prompt + max_tokens over the context", "/v1/completions",
-     {"model": MODEL, "prompt": "The sea is wide and deep. " * 400, "max_tokens": 2000}, 413, "context_length_exceeded"),
+    (
+        "bad role",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+        422,
+        "invalid_value",
+    ),
+    (
+        "prompt too many characters",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a" * 70_000},
+        413,
+        "context_length_exceeded",
+    ),
+    (
+        "prompt + max_tokens over the context",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "The sea is wide and deep. " * 400, "max_tokens": 2000},
+        413,
+        "context_length_exceeded",
+    ),
     ("body over 1 MiB", "/v1/completions", b'{"prompt": "' + b"a" * (1 << 20) + b'"}', 413, "request_too_large"),
 ]
 
@@ -262,7 +317,10 @@ def test_bad_requests_get_openai_error_bodies(swarm, what, path, body, status, c
 
 
 def test_unknown_path_and_method_get_error_bodies_and_serving_goes_on(swarm):
-    assert http(swarm, "/v2/nothing") == (404, {"error": {"message": "404: Not Found", "type": "invalid_request_error", "param": None, "code": "not_found"}})
+    assert http(swarm, "/v2/nothing") == (
+        404,
+        {"error": {"message": "404: Not Found", "type": "invalid_request_error", "param": None, "code": "not_found"}},
+    )
     req = urllib.request.Request(swarm.gateway_url + "/v1/completions", method="GET")
     with pytest.raises(urllib.error.HTTPError) as exc:
         urllib.request.urlopen(req, timeout=10)
@@ -300,7 +358,9 @@ def test_killed_node_ends_every_channel_with_phase_and_node(smollm2_path, tmp_pa
     try:
         cli_proc = subprocess.Popen(
             cli() + ["generate", counting, "--nats", swarm.url, "--max-tokens", "3000"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         cli_started = threading.Event()
         threading.Thread(target=lambda: (cli_proc.stdout.read(1), cli_started.set()), daemon=True).start()
@@ -309,10 +369,17 @@ def test_killed_node_ends_every_channel_with_phase_and_node(smollm2_path, tmp_pa
             async with aiohttp.ClientSession() as session:
                 ws = await session.ws_connect(ws_url(swarm) + "/ws")
                 await ws.send_json({"type": "generate", "prompt": counting, "max_tokens": 3000, "ignore_eos": True})
-                sse = await session.post(swarm.gateway_url + "/v1/chat/completions", json={
-                    "model": MODEL, "messages": [{"role": "user", "content": "Count to a thousand."}],
-                    "max_tokens": 3000, "ignore_eos": True, "stream": True,
-                }, timeout=aiohttp.ClientTimeout(total=300))
+                sse = await session.post(
+                    swarm.gateway_url + "/v1/chat/completions",
+                    json={
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": "Count to a thousand."}],
+                        "max_tokens": 3000,
+                        "ignore_eos": True,
+                        "stream": True,
+                    },
+                    timeout=aiohttp.ClientTimeout(total=300),
+                )
                 ws_msgs, sse_lines = [], []
 
                 async def read_ws():

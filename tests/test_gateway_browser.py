@@ -24,15 +24,26 @@ def swarm(smollm2_path, tmp_path_factory):
 @pytest.fixture
 def browser(tmp_path):
     if not (CHROMIUM and CHROMEDRIVER):
-        pytest.fail("chromium and chromedriver are missing: scripts/setup installs them (apt-get install chromium chromium-driver)")
+        pytest.fail(
+            "chromium and chromedriver are missing: scripts/setup installs them (apt-get install chromium chromium-driver)"
+        )
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'chromium'}"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp_path / 'chromium'}",
+    ):
         opts.add_argument(flag)
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
     try:
@@ -64,7 +75,11 @@ def test_page_submits_a_prompt_and_shows_streamed_text_and_a_finished_state(swar
     browser.find_element(By.ID, "send").click()
 
     # streamed text appears while the generation runs, then the finished state
-    wait.until(lambda d: text("output").strip() and browser.find_element(By.ID, "status").get_attribute("data-state") == "running")
+    wait.until(
+        lambda d: (
+            text("output").strip() and browser.find_element(By.ID, "status").get_attribute("data-state") == "running"
+        )
+    )
     partial = text("output")
     wait.until(lambda d: browser.find_element(By.ID, "status").get_attribute("data-state") != "running")
     assert browser.find_element(By.ID, "status").get_attribute("data-state") == "done", text("error")

@@ -33,8 +33,13 @@ def post(url: str, body: dict) -> tuple[int, dict, dict]:
 def one_slot_swarm(smollm2_path, tmp_path_factory):
     """Two workers with one KV slot each, slowed so a generation holds its slot for seconds."""
     extra = ["--max-sessions", "1", "--slow-ms", "25"]
-    s = LocalSwarm(smollm2_path, 2, workdir=tmp_path_factory.mktemp("one-slot"), gateway_port=free_port(),
-                   worker_extra={0: extra, 1: extra}).start()
+    s = LocalSwarm(
+        smollm2_path,
+        2,
+        workdir=tmp_path_factory.mktemp("one-slot"),
+        gateway_port=free_port(),
+        worker_extra={0: extra, 1: extra},
+    ).start()
     yield s
     s.stop()
 
@@ -64,7 +69,9 @@ def test_requests_beyond_the_free_kv_slots_get_503_with_retry_after(one_slot_swa
         status, headers, answer = post(base + "/v1/completions", {**body, "stream": True})
         assert status == 503 and "Retry-After" in headers and answer["error"]["code"] == "no_free_slot"
         with pytest.raises(openai.APIStatusError) as info:  # what the official client raises
-            client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+            client.chat.completions.create(
+                model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+            )
         assert info.value.status_code == 503
     finally:
         t.join(120)
@@ -78,8 +85,12 @@ def test_errors_name_the_tracker_then_the_bus(tmp_path):
 
     srv = start_nats(tmp_path)
     port = free_port()
-    gw = subprocess.Popen(cli() + ["gateway", "--nats", srv.url, "--port", str(port)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    gw = subprocess.Popen(
+        cli() + ["gateway", "--nats", srv.url, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}/v1/completions"
         deadline = time.monotonic() + 60
@@ -88,7 +99,9 @@ def test_errors_name_the_tracker_then_the_bus(tmp_path):
                 status, headers, answer = post(url, {"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 2})
                 break
             except (urllib.error.URLError, ConnectionError):
-                assert time.monotonic() < deadline and gw.poll() is None, gw.stderr.read() if gw.poll() is not None else ""
+                assert time.monotonic() < deadline and gw.poll() is None, (
+                    gw.stderr.read() if gw.poll() is not None else ""
+                )
                 time.sleep(0.3)
         assert status == 503 and headers.get("Retry-After")
         assert answer["error"]["code"] == "no_tracker" and "no tracker answered" in answer["error"]["message"]

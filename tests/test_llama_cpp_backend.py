@@ -46,8 +46,9 @@ def prompt_ids(full: LlamaCppFullBackend, n: int) -> np.ndarray:
 
 def _serve(conn, kind: str, path: str, start, end, cache_dir: str) -> None:
     """Child process: one backend, driven over a pipe."""
-    backend = open_backend(kind, path, start, end, threads=1, n_ctx=N_CTX, max_sessions=1,
-                           benchmark=False, cache_dir=cache_dir)
+    backend = open_backend(
+        kind, path, start, end, threads=1, n_ctx=N_CTX, max_sessions=1, benchmark=False, cache_dir=cache_dir
+    )
     conn.send(("ready", backend.layer_start, backend.layer_end))
     while True:
         cmd, *args = conn.recv()
@@ -102,7 +103,7 @@ class Pipeline:
         return x
 
     def close(self):
-        for i, (conn, proc) in enumerate(self.hops):
+        for i, (_conn, proc) in enumerate(self.hops):
             try:
                 self.call(i, "stop")
             finally:
@@ -257,7 +258,7 @@ def test_interleaved_sessions_match_solo_runs(smol_split):
     tokens = [[11, 22, 33], [44, 55, 66], [77, 88, 99]]
     solo = [_solo(head, tail, p, t) for p, t in zip(prompts, tokens)]
     got = {i: [] for i in range(3)}
-    for i, p in enumerate(prompts):
+    for i in range(len(prompts)):
         head.open_session(f"s{i}", N_CTX)
         tail.open_session(f"s{i}", N_CTX)
     for i in (2, 0, 1):
@@ -372,7 +373,10 @@ def test_bad_input_raises_typed_errors_and_leaves_other_sessions_intact(tiny_ggu
         tail.export_state("bad")
 
     # The good session continues exactly as if nothing happened.
-    out = [tail.decode_step("good", 12 + k, head.decode_step("good", 12 + k, np.array([t], np.int32))) for k, t in enumerate([7, 8])]
+    out = [
+        tail.decode_step("good", 12 + k, head.decode_step("good", 12 + k, np.array([t], np.int32)))
+        for k, t in enumerate([7, 8])
+    ]
     assert np.array_equal(out[0], ref[1]) and np.array_equal(out[1], ref[2])
     head.close()
     tail.close()

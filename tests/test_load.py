@@ -16,15 +16,31 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 N_SESSIONS = 16
 N_TOKENS = 12
 SUBJECTS = [
-    "the sea", "a mountain", "the moon", "coffee", "a library", "winter", "the desert", "a violin",
-    "bread", "the river", "a robot", "autumn leaves", "the city", "a garden", "thunder", "the stars",
+    "the sea",
+    "a mountain",
+    "the moon",
+    "coffee",
+    "a library",
+    "winter",
+    "the desert",
+    "a violin",
+    "bread",
+    "the river",
+    "a robot",
+    "autumn leaves",
+    "the city",
+    "a garden",
+    "thunder",
+    "the stars",
 ]
 
 
 @pytest.fixture(scope="module")
 def swarm(smollm2_path, tmp_path_factory):
     s = LocalSwarm(
-        smollm2_path, 2, workdir=tmp_path_factory.mktemp("load"),
+        smollm2_path,
+        2,
+        workdir=tmp_path_factory.mktemp("load"),
         worker_extra={i: ["--max-sessions", str(N_SESSIONS), "--n-ctx", "256"] for i in range(2)},
     )
     s.start()
@@ -39,7 +55,9 @@ def test_sixteen_concurrent_sessions_all_complete_with_their_solo_output(swarm):
         async with await NeuronClient.connect(swarm.url) as c:
             route = await c.route("smollm2-135m")
             prompts = [
-                (await c.control(route.hops[0].node_id, M.TokenizeRequest(text=f"Write one sentence about {s}:"))).tokens
+                (
+                    await c.control(route.hops[0].node_id, M.TokenizeRequest(text=f"Write one sentence about {s}:"))
+                ).tokens
                 for s in SUBJECTS
             ]
             solo = [(await c.complete(prompt_tokens=p, route=route, sampling=sampling)).tokens for p in prompts]

@@ -11,7 +11,10 @@ from neuron_bus.worker.node_telemetry import NodeTelemetry, neighbours
 
 
 def route(*nodes: str) -> M.RouteAssignment:
-    hops = [M.RouteHop(node_id=n, layer_start=i, layer_end=i + 1, subject="", backend_id="b", cache_abi="a") for i, n in enumerate(nodes)]
+    hops = [
+        M.RouteHop(node_id=n, layer_start=i, layer_end=i + 1, subject="", backend_id="b", cache_abi="a")
+        for i, n in enumerate(nodes)
+    ]
     return M.RouteAssignment(route_id="r", model_preset="m", model_revision="v", n_layers_total=len(nodes), hops=hops)
 
 
@@ -40,6 +43,7 @@ def test_disk_read_rate_is_non_negative(tmp_path):
 async def test_latency_to_neighbours_is_measured_over_the_bus(nats_server):
     nc = await connect(nats_server.url)
     try:
+
         async def pong(msg):
             await msg.respond(M.encode(M.Pong(node_id="peer", sent_at=0.0)))
 

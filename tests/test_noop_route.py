@@ -23,7 +23,10 @@ pytestmark = [pytest.mark.timeout(300)]
 def test_noop_route_decodes_inline_in_waves(smollm2_path, tmp_path):
     ports = [free_port(), free_port()]
     swarm = LocalSwarm(
-        smollm2_path, 2, backend="noop", workdir=tmp_path,
+        smollm2_path,
+        2,
+        backend="noop",
+        workdir=tmp_path,
         worker_extra={i: ["--metrics-port", str(p), "--max-sessions", "8"] for i, p in enumerate(ports)},
     )
     n_tokens = 40

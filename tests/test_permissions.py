@@ -25,7 +25,9 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture
 def auth_server(tmp_path):
     passwords = new_passwords()
-    srv = NatsServer(ServerConfig(store_dir=tmp_path / "nats", port=free_port(), http_port=free_port(), extra=render(passwords)))
+    srv = NatsServer(
+        ServerConfig(store_dir=tmp_path / "nats", port=free_port(), http_port=free_port(), extra=render(passwords))
+    )
     srv.start()
     try:
         yield srv, passwords
@@ -41,13 +43,15 @@ async def _observer_is_refused(url: str, passwords: dict[str, str]) -> dict:
     async def on_error(exc):
         violations.append(str(exc))
 
-    observer = await nats.connect(servers=[role_url(url, "observer", passwords["observer"])], error_cb=on_error,
-                                  max_reconnect_attempts=0)
+    observer = await nats.connect(
+        servers=[role_url(url, "observer", passwords["observer"])], error_cb=on_error, max_reconnect_attempts=0
+    )
     got: dict[str, list] = {"act": [], "assign": [], "telemetry": []}
 
     async def into(kind):
         async def cb(msg):
             got[kind].append(msg.subject)
+
         return cb
 
     await admin.subscribe("neuron.act.x.0.prefill", cb=await into("act"))
@@ -76,8 +80,13 @@ async def _observer_is_refused(url: str, passwords: dict[str, str]) -> dict:
     stream_count = (await admin.jetstream().stream_info(S.STREAM_PREFILL)).state.messages
     await observer.close()
     await admin.close()
-    return {"got": got, "violations": violations, "js_refused": js_refused, "stored": stored.data,
-            "prefill_messages": stream_count}
+    return {
+        "got": got,
+        "violations": violations,
+        "js_refused": js_refused,
+        "stored": stored.data,
+        "prefill_messages": stream_count,
+    }
 
 
 def test_observer_can_read_telemetry_and_cannot_publish_activations_or_assignments(auth_server):
@@ -96,8 +105,12 @@ def test_observer_can_read_telemetry_and_cannot_publish_activations_or_assignmen
 def cli_server(store: Path, *options: str):
     """`neuron-bus server` as a process on free ports, ready; yields (process, client port)."""
     port, http = free_port(), free_port()
-    proc = subprocess.Popen(cli() + ["server", "--port", str(port), "--http-port", str(http), "--store-dir", str(store), *options],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        cli() + ["server", "--port", str(port), "--http-port", str(http), "--store-dir", str(store), *options],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         seen = []
         for line in proc.stdout:
@@ -116,8 +129,12 @@ def test_wrong_password_is_refused(auth_server):
     srv, passwords = auth_server
 
     async def go():
-        return await nats.connect(servers=[role_url(srv.url, "worker", "not-the-password")], max_reconnect_attempts=0,
-                                  allow_reconnect=False, connect_timeout=3)
+        return await nats.connect(
+            servers=[role_url(srv.url, "worker", "not-the-password")],
+            max_reconnect_attempts=0,
+            allow_reconnect=False,
+            connect_timeout=3,
+        )
 
     with pytest.raises(Exception) as err:
         asyncio.run(go())
@@ -127,8 +144,12 @@ def test_wrong_password_is_refused(auth_server):
 def test_permissions_command_writes_users_and_server_enforces_them(tmp_path):
     """`neuron-bus permissions` then `neuron-bus server --auth`: the admin provisions, roles connect."""
     out, pw = tmp_path / "nats-auth.conf", tmp_path / "pw.json"
-    done = subprocess.run(cli() + ["permissions", "--out", str(out), "--password-file", str(pw)], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        cli() + ["permissions", "--out", str(out), "--password-file", str(pw)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     passwords = json.loads(pw.read_text())
     assert set(passwords) == set(ROLES) and (pw.stat().st_mode & 0o777) == 0o600
@@ -157,9 +178,29 @@ def test_server_serves_tls_with_a_self_signed_certificate(tmp_path):
     import ssl
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     with cli_server(tmp_path / "store", "--tls-cert", str(cert), "--tls-key", str(key)) as (_proc, port):
 
         async def roundtrip():

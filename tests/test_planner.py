@@ -15,7 +15,9 @@ N = 30
 P = TrackerParams()
 
 
-def report(node_id: str, a: int, b: int, *, tps: float = 50.0, n: int = N, model: str = "smollm2-135m", **kw) -> messages.CapabilityReport:
+def report(
+    node_id: str, a: int, b: int, *, tps: float = 50.0, n: int = N, model: str = "smollm2-135m", **kw
+) -> messages.CapabilityReport:
     """A capability report for ``node_id`` serving layers [a, b) at ``tps`` decode tok/s."""
     fields = dict(
         node_id=node_id,
@@ -44,8 +46,12 @@ def report(node_id: str, a: int, b: int, *, tps: float = 50.0, n: int = N, model
 
 
 def node(node_id: str, a: int, b: int, *, tps: float = 50.0, alive: bool = True, sessions: int = 0, **kw) -> NodeView:
-    view_kw = {k: kw.pop(k) for k in list(kw) if k in ("status", "recently_assigned", "queue_depth", "failure_rate", "rtt")}
-    return NodeView(caps=report(node_id, a, b, tps=tps, **kw), alive=alive, decode_tps=tps, sessions_active=sessions, **view_kw)
+    view_kw = {
+        k: kw.pop(k) for k in list(kw) if k in ("status", "recently_assigned", "queue_depth", "failure_rate", "rtt")
+    }
+    return NodeView(
+        caps=report(node_id, a, b, tps=tps, **kw), alive=alive, decode_tps=tps, sessions_active=sessions, **view_kw
+    )
 
 
 def request(**kw) -> messages.RouteRequest:
@@ -189,7 +195,11 @@ def test_dead_nodes_are_excluded_and_turn_into_gaps():
 
 
 def test_other_cache_abi_never_joins_a_route_and_the_request_is_rejected_with_the_reason():
-    views = [node("a", 0, 15), node("b", 15, 30, cache_abi="llama-kv-q8-v2"), node("a2", 0, 15, cache_abi="llama-kv-q8-v2")]
+    views = [
+        node("a", 0, 15),
+        node("b", 15, 30, cache_abi="llama-kv-q8-v2"),
+        node("a2", 0, 15, cache_abi="llama-kv-q8-v2"),
+    ]
     result = plan_route(request(), views)
     assert isinstance(result, Plan) and {h.caps.cache_abi for h in result.hops} == {"llama-kv-q8-v2"}
     # Without a2, nothing with one ABI covers everything: one reason per ABI group.
@@ -264,7 +274,12 @@ def test_other_models_are_ignored():
 
 
 def test_coverage_statuses_and_capacity():
-    views = [node("a", 0, 10, tps=20), node("a2", 0, 10, tps=30), node("b", 10, 20), node("c", 20, 30, tps=1, alive=False)]
+    views = [
+        node("a", 0, 10, tps=20),
+        node("a2", 0, 10, tps=30),
+        node("b", 10, 20),
+        node("c", 20, 30, tps=1, alive=False),
+    ]
     cov = coverage_report(views, 0.0, P)
     (group,) = cov.models
     assert [(a, b, r.status) for a, b, r in spans(group.layers)] == [
@@ -331,7 +346,9 @@ def test_registry_expires_forgets_and_ignores_contradicting_heartbeats():
 
     reg = Registry(TrackerParams(expiry=5.0, forget_after=60.0, assignment_window=30.0))
     caps = report("a", 0, 30)
-    hb = messages.NodeHeartbeat(node_id="a", seq=1, ts=0.0, layer_start=0, layer_end=30, cache_abi=caps.cache_abi, decode_tokens_per_second=80.0)
+    hb = messages.NodeHeartbeat(
+        node_id="a", seq=1, ts=0.0, layer_start=0, layer_end=30, cache_abi=caps.cache_abi, decode_tokens_per_second=80.0
+    )
     reg.apply_heartbeat(hb, now=100.0)  # before its report: kept, and the report is wanted
     assert reg.needs_report("a") and reg.views(100.0) == []
     reg.apply_report(caps)

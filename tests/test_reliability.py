@@ -50,7 +50,9 @@ def restart(swarm: LocalSwarm, name: str) -> None:
     run(node_alive(swarm.url, name))
 
 
-async def generate_and_kill(url: str, swarm: LocalSwarm, ids: list[int], n: int, kill_after: int, victim_hop: int, **kw):
+async def generate_and_kill(
+    url: str, swarm: LocalSwarm, ids: list[int], n: int, kill_after: int, victim_hop: int, **kw
+):
     """Greedy generation; after ``kill_after`` tokens, SIGKILL the node serving ``victim_hop``.
 
     Returns (tokens, error, seconds from the kill to the end, route, killed node).
@@ -81,7 +83,9 @@ async def generate_and_kill(url: str, swarm: LocalSwarm, ids: list[int], n: int,
 def cache_server(tmp_path_factory):
     """A separate NATS server holding the snapshots (the cache server)."""
     srv = NatsServer(
-        ServerConfig(store_dir=tmp_path_factory.mktemp("cache"), port=free_port(), http_port=free_port(), server_name="cache")
+        ServerConfig(
+            store_dir=tmp_path_factory.mktemp("cache"), port=free_port(), http_port=free_port(), server_name="cache"
+        )
     ).start()
     yield srv
     srv.stop()
@@ -93,8 +97,10 @@ def swarm(smollm2_path, tmp_path_factory, cache_server):
     positions on the cache server."""
     snap = ["--snapshot-every", "4", "--snapshot-nats", cache_server.url]
     s = LocalSwarm(
-        smollm2_path, workdir=tmp_path_factory.mktemp("reliability"),
-        ranges=[(0, 15), UPPER], worker_extra={i: list(snap) for i in range(2)},
+        smollm2_path,
+        workdir=tmp_path_factory.mktemp("reliability"),
+        ranges=[(0, 15), UPPER],
+        worker_extra={i: list(snap) for i in range(2)},
     )
     s.start()
     replica = WorkerSpec(UPPER, "worker-2", list(snap))
@@ -138,14 +144,19 @@ def test_a_restarted_node_lost_its_hot_kv(bare_swarm, reference):
             route = await c.route("smollm2-135m")
             sid = f"restart{int(time.time() * 1000)}"
             for i, hop in enumerate(route.hops):
-                await c.control(hop.node_id, M.SessionOpen(session_id=sid, route=route, hop_index=i, prompt_tokens=4, n_ctx=512))
+                await c.control(
+                    hop.node_id, M.SessionOpen(session_id=sid, route=route, hop_index=i, prompt_tokens=4, n_ctx=512)
+                )
             await asyncio.to_thread(bare_swarm.kill, "worker-1")
-            await asyncio.to_thread(bare_swarm.start_worker, next(s for s in bare_swarm.workers if s.node_id == "worker-1"))
+            await asyncio.to_thread(
+                bare_swarm.start_worker, next(s for s in bare_swarm.workers if s.node_id == "worker-1")
+            )
             await node_alive(bare_swarm.url, "worker-1")
             report = await c.sessions("worker-1")
             resume = M.SessionResume(
                 open=M.SessionOpen(session_id=sid, route=route, hop_index=1, prompt_tokens=4, n_ctx=512),
-                position=0, replay_end=4,
+                position=0,
+                replay_end=4,
             )
             with pytest.raises(RouteError) as err:
                 await c.control("worker-1", resume)
@@ -215,7 +226,9 @@ def test_restore_refuses_missing_or_incompatible_snapshots(swarm, cache_server):
             repaired = M.RouteAssignment(**{**msgspec_dict(route), "route_id": route.route_id + "-r1", "hops": hops})
             resume = M.SessionResume(
                 open=M.SessionOpen(session_id=sid, route=repaired, hop_index=1, prompt_tokens=4, n_ctx=512),
-                position=8, replay_end=10, restore=True,
+                position=8,
+                replay_end=10,
+                restore=True,
             )
             with pytest.raises(RouteError) as missing:
                 await c.control(spare, resume)
@@ -223,9 +236,19 @@ def test_restore_refuses_missing_or_incompatible_snapshots(swarm, cache_server):
             nc = await connect(cache_server.url)
             store = await nc.jetstream().object_store("neuron-snapshots")
             meta = M.SnapshotMeta(
-                generation_id="g", session_id=sid, route_id=route.route_id, node_id="elsewhere",
-                model_preset=route.model_preset, model_revision=route.model_revision, backend_id=route.hops[1].backend_id,
-                cache_abi="some-other-abi", layer_start=15, layer_end=30, position=8, n_ctx=512, nbytes=3,
+                generation_id="g",
+                session_id=sid,
+                route_id=route.route_id,
+                node_id="elsewhere",
+                model_preset=route.model_preset,
+                model_revision=route.model_revision,
+                backend_id=route.hops[1].backend_id,
+                cache_abi="some-other-abi",
+                layer_start=15,
+                layer_end=30,
+                position=8,
+                n_ctx=512,
+                nbytes=3,
             )
             name = f"{sid}/15-30/8"
             await store.put(name, b"abc", meta=ObjectMeta(name=name, description=M.encode(meta).decode()))

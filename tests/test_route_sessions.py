@@ -40,7 +40,9 @@ def metric(port: int, name: str, **labels) -> float:
 def swarm(smollm2_path, tmp_path_factory):
     ports = [free_port(), free_port()]
     s = LocalSwarm(
-        smollm2_path, 2, workdir=tmp_path_factory.mktemp("swarm"),
+        smollm2_path,
+        2,
+        workdir=tmp_path_factory.mktemp("swarm"),
         worker_extra={i: ["--metrics-port", str(p)] for i, p in enumerate(ports)},
     )
     s.metrics_ports = ports
@@ -53,14 +55,16 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def complete(url: str, **kw) -> "object":
+async def complete(url: str, **kw) -> object:
     async with await NeuronClient.connect(url) as c:
         return await c.complete(**kw)
 
 
 def test_route_output_equals_single_process_full_model(swarm, reference):
     ids = reference.tokenizer.encode(PROMPT)
-    g = run(complete(swarm.url, prompt_tokens=ids, sampling=M.SamplingParams(max_tokens=24, ignore_eos=True), chunk_size=4))
+    g = run(
+        complete(swarm.url, prompt_tokens=ids, sampling=M.SamplingParams(max_tokens=24, ignore_eos=True), chunk_size=4)
+    )
     assert len(g.route.hops) == 2
     assert g.tokens == reference(ids, 24)
     assert g.text == reference.tokenizer.decode(g.tokens)
@@ -68,8 +72,15 @@ def test_route_output_equals_single_process_full_model(swarm, reference):
 
 def test_bf16_wire_and_zstd_run_the_same_route(swarm, reference):
     ids = reference.tokenizer.encode(PROMPT)
-    g = run(complete(swarm.url, prompt_tokens=ids, wire_dtype="bf16", encoding="zstd",
-                     sampling=M.SamplingParams(max_tokens=8, ignore_eos=True)))
+    g = run(
+        complete(
+            swarm.url,
+            prompt_tokens=ids,
+            wire_dtype="bf16",
+            encoding="zstd",
+            sampling=M.SamplingParams(max_tokens=8, ignore_eos=True),
+        )
+    )
     assert g.route.wire_dtype == "bf16" and g.route.encoding == "zstd"
     assert len(g.tokens) == 8
     assert g.tokens[:2] == reference(ids, 2)  # bf16 keeps the first greedy choices on a short prompt
@@ -94,10 +105,16 @@ def test_decode_seam_bytes_are_hidden_size_whatever_the_prompt_length(swarm, ref
         port = swarm.metrics_ports[0]
         pre_b = metric(port, "neuron_seam_bytes_total", phase="prefill", direction="out")
         dec_b, dec_m = decode_seam(swarm)
-        g = run(complete(swarm.url, prompt_tokens=ids, sampling=M.SamplingParams(max_tokens=101, ignore_eos=True), chunk_size=512))
+        g = run(
+            complete(
+                swarm.url, prompt_tokens=ids, sampling=M.SamplingParams(max_tokens=101, ignore_eos=True), chunk_size=512
+            )
+        )
         assert len(g.tokens) == 101
         # the prompt crossed the seam exactly once
-        assert metric(port, "neuron_seam_bytes_total", phase="prefill", direction="out") - pre_b == n_prompt * hidden * 4
+        assert (
+            metric(port, "neuron_seam_bytes_total", phase="prefill", direction="out") - pre_b == n_prompt * hidden * 4
+        )
         dec_b2, dec_m2 = decode_seam(swarm)
         assert dec_m2 - dec_m == 100  # 100 decode steps after the first token
         per_prompt[n_prompt] = (dec_b2 - dec_b) / (dec_m2 - dec_m)
@@ -116,7 +133,9 @@ def test_wrong_route_or_session_is_rejected_before_model_work(swarm, reference):
 
             sub = await c.nc.subscribe(S.session_error(sid), cb=on_error)
             for i, hop in enumerate(route.hops):
-                await c.control(hop.node_id, M.SessionOpen(session_id=sid, route=route, hop_index=i, prompt_tokens=4, n_ctx=512))
+                await c.control(
+                    hop.node_id, M.SessionOpen(session_id=sid, route=route, hop_index=i, prompt_tokens=4, n_ctx=512)
+                )
             tail = route.hops[1].node_id
             before = await c.sessions(tail)
             js = c.nc.jetstream()
@@ -154,7 +173,9 @@ def test_wrong_route_or_session_is_rejected_before_model_work(swarm, reference):
 
 
 def sessions_json(url: str, node: str) -> dict:
-    out = subprocess.run(cli() + ["sessions", node, "--nats", url, "--json"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        cli() + ["sessions", node, "--nats", url, "--json"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -166,12 +187,18 @@ def test_sessions_report_cache_bytes_and_close_frees_them(swarm):
             sid = "cached" + str(int(time.time() * 1000))
             opened = []
             for i, hop in enumerate(route.hops):
-                opened.append(await c.control(hop.node_id, M.SessionOpen(session_id=sid, route=route, hop_index=i, prompt_tokens=8, n_ctx=512)))
+                opened.append(
+                    await c.control(
+                        hop.node_id, M.SessionOpen(session_id=sid, route=route, hop_index=i, prompt_tokens=8, n_ctx=512)
+                    )
+                )
             return route, sid, opened
 
     async def close_session(route, sid):
         async with await NeuronClient.connect(swarm.url) as c:
-            return [await c.control(h.node_id, M.SessionClose(session_id=sid, route_id=route.route_id)) for h in route.hops]
+            return [
+                await c.control(h.node_id, M.SessionClose(session_id=sid, route_id=route.route_id)) for h in route.hops
+            ]
 
     route, sid, opened = run(open_session())
     for hop, ack in zip(route.hops, opened):
@@ -192,7 +219,9 @@ def test_sessions_report_cache_bytes_and_close_frees_them(swarm):
 def test_generate_cli_streams_json(swarm):
     out = subprocess.run(
         cli() + ["generate", PROMPT, "--nats", swarm.url, "--max-tokens", "8", "--json"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -202,7 +231,10 @@ def test_generate_cli_streams_json(swarm):
 
 def test_generate_cli_without_a_bus_fails_clearly():
     out = subprocess.run(
-        cli() + ["generate", "hi", "--nats", f"nats://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60
+        cli() + ["generate", "hi", "--nats", f"nats://127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode != 0
     assert out.stderr.startswith("error:")

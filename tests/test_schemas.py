@@ -30,6 +30,8 @@ def test_stale_detection_notices_a_changed_struct(tmp_path):
 
 
 def test_messages_round_trip_through_json():
-    t = messages.GenerationTelemetry(session_id="s", route_id="r", model_preset="m", phase="prefill", prefill_tokens_done=3)
+    t = messages.GenerationTelemetry(
+        session_id="s", route_id="r", model_preset="m", phase="prefill", prefill_tokens_done=3
+    )
     assert messages.decode(messages.encode(t), messages.GenerationTelemetry) == t
     assert isinstance(msgspec.json.decode(messages.encode(t)), dict)  # plain JSON for any client

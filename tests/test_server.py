@@ -21,7 +21,18 @@ BIN = str(Path(sys.executable).parent / "neuron-bus")
 
 def test_help_lists_subcommands():
     out = subprocess.run([BIN, "--help"], capture_output=True, text=True, check=True).stdout
-    for cmd in ("server", "up", "worker", "tracker", "coverage", "gateway", "generate", "sessions", "artifact", "audit"):
+    for cmd in (
+        "server",
+        "up",
+        "worker",
+        "tracker",
+        "coverage",
+        "gateway",
+        "generate",
+        "sessions",
+        "artifact",
+        "audit",
+    ):
         assert f" {cmd} " in out, cmd
 
 
@@ -71,13 +82,25 @@ def test_server_command_starts_jetstream_on_loopback_and_stops_on_sigterm(tmp_pa
 
 def test_server_refuses_a_busy_port_with_a_clear_error(tmp_path, nats_server):
     proc = subprocess.run(
-        [BIN, "server", "--port", str(nats_server.config.port), "--http-port", str(free_port()),
-         "--store-dir", str(tmp_path / "js2")],
-        capture_output=True, text=True, timeout=60,
+        [
+            BIN,
+            "server",
+            "--port",
+            str(nats_server.config.port),
+            "--http-port",
+            str(free_port()),
+            "--store-dir",
+            str(tmp_path / "js2"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode != 0
     # refused before the binary starts, naming the port and the option that moves it
-    assert proc.stderr.startswith(f"error: port in use on 127.0.0.1: nats-server client port {nats_server.config.port} (--port")
+    assert proc.stderr.startswith(
+        f"error: port in use on 127.0.0.1: nats-server client port {nats_server.config.port} (--port"
+    )
 
 
 async def test_topology_is_idempotent(nats_server):
@@ -113,8 +136,13 @@ async def test_three_server_cluster_replicates_topology(tmp_path):
     try:
         for i in range(3):
             cfg = ServerConfig(
-                store_dir=tmp_path / f"n{i}", port=ports[i], http_port=free_port(), server_name=f"n{i}",
-                cluster_name="neuron", cluster_port=cports[i], routes=routes,
+                store_dir=tmp_path / f"n{i}",
+                port=ports[i],
+                http_port=free_port(),
+                server_name=f"n{i}",
+                cluster_name="neuron",
+                cluster_port=cports[i],
+                routes=routes,
             )
             srv = NatsServer(cfg)
             srv.proc = None
@@ -138,7 +166,7 @@ async def test_three_server_cluster_replicates_topology(tmp_path):
         nc = await connect(url)
         try:
             js = nc.jetstream()
-            for attempt in range(60):
+            for _attempt in range(60):
                 try:
                     await ensure_topology(js, replicas=3)
                     break

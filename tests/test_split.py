@@ -124,7 +124,9 @@ for spec in sys.argv[2:]:
 def load_ranges(path, ranges) -> subprocess.CompletedProcess:
     """Load each range of ``path`` with llama.cpp in a child process (an abort must not take pytest down)."""
     args = [f"{a}:{b}" for a, b in ranges]
-    return subprocess.run([sys.executable, "-c", LOAD_RANGES, str(path), *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", LOAD_RANGES, str(path), *args], capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.slow

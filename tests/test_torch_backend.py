@@ -327,6 +327,7 @@ def test_import_rejects_mismatched_snapshots(tiny):
 
 def _batched_vs_solo(path, start, end, prompts, steps=3, atol=1e-5):
     """Batched rows go through differently shaped matmuls: equal up to float32 rounding."""
+
     def inputs(b, p):
         if b.is_head:
             return p
@@ -346,7 +347,11 @@ def _batched_vs_solo(path, start, end, prompts, steps=3, atol=1e-5):
         batch = []
         for i, p in enumerate(prompts):
             sid, x = f"s{i}", inputs(solo, p)
-            token = x[len(p) + step : len(p) + step + 1] if not solo.is_head else np.array([(7 * i + step) % 250 + 3], np.int32)
+            token = (
+                x[len(p) + step : len(p) + step + 1]
+                if not solo.is_head
+                else np.array([(7 * i + step) % 250 + 3], np.int32)
+            )
             want[sid].append(solo.decode_step(sid, len(p) + step, token))
             batch.append((sid, len(p) + step, token))
         for (sid, _, _), out in zip(batch, batched.decode_batch(batch)):
@@ -395,7 +400,10 @@ def test_loads_only_the_ranges_tensors(tiny):
     # Tied embeddings: the whole-model range shares one tensor between embedding and lm_head.
     assert whole.model.lm_head.weight.data_ptr() == whole.model.tok_embeddings.weight.data_ptr()
     assert mid.capability.active_memory_floor < head.capability.active_memory_floor
-    floor = {name: b.capability.active_memory_floor for name, b in (("head", head), ("mid", mid), ("tail", tail), ("whole", whole))}
+    floor = {
+        name: b.capability.active_memory_floor
+        for name, b in (("head", head), ("mid", mid), ("tail", tail), ("whole", whole))
+    }
     embedding = whole.vocab_size * whole.hidden_size * 4
     assert floor["head"] == floor["mid"] + embedding  # one block each
     assert floor["whole"] == floor["head"] + 2 * floor["mid"] + floor["tail"] - embedding  # counted once

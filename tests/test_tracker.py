@@ -265,7 +265,9 @@ async def test_tracker_restart_rebuilds_the_registry_from_kv_and_heartbeats(bus)
 async def test_heartbeat_without_report_reads_the_report_from_kv(bus, tracker):
     caps = report("late", 0, 30)
     await (await bus.nc.jetstream().key_value(S.KV_NODES)).put("late", messages.encode(caps))
-    hb = messages.NodeHeartbeat(node_id="late", seq=1, ts=time.time(), layer_start=0, layer_end=30, cache_abi=caps.cache_abi)
+    hb = messages.NodeHeartbeat(
+        node_id="late", seq=1, ts=time.time(), layer_start=0, layer_end=30, cache_abi=caps.cache_abi
+    )
     for _ in range(3):
         await bus.nc.publish(S.node_heartbeat("late"), messages.encode(hb))
     await live(tracker, "late")

@@ -77,7 +77,9 @@ async def ask_routes(url: str, n: int) -> list[M.RouteAssignment | M.RouteReject
 
 async def generate(url: str, route: M.RouteAssignment, max_tokens: int = 8):
     async with await NeuronClient.connect(url) as client:
-        return await client.complete(PROMPT, route=route, sampling=M.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        return await client.complete(
+            PROMPT, route=route, sampling=M.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        )
 
 
 def nodes_of(route) -> list[str]:
@@ -111,7 +113,7 @@ class Fleet:
     specs: dict[str, WorkerSpec]
 
     @classmethod
-    def start(cls, swarm: LocalSwarm, extra: list[WorkerSpec]) -> "Fleet":
+    def start(cls, swarm: LocalSwarm, extra: list[WorkerSpec]) -> Fleet:
         # LocalSwarm.start waits for one route over all of its ranges, so it starts with distinct
         # ranges only; replicas join afterwards.
         swarm.start(START_TIMEOUT)
@@ -318,7 +320,9 @@ class TestFullReplicas:
         assert gone in report.models[0].nodes_expired  # known from KV, not heartbeating: never routed
         assert len(run(generate(fleet.url, route)).tokens) == 8
         # The dead node's stored report does not haunt the coverage map forever.
-        wait_until(lambda: gone not in {n.node_id for n in fleet.coverage().nodes}, forget_after + 30, f"{gone} forgotten")
+        wait_until(
+            lambda: gone not in {n.node_id for n in fleet.coverage().nodes}, forget_after + 30, f"{gone} forgotten"
+        )
 
 
 def _answer(fleet: Fleet) -> M.CoverageReport | None:
@@ -337,6 +341,12 @@ def test_stragglers_are_judged_per_token_against_peers_of_their_size():
     whole model; per token against peers of its size it is fine, and the slowed tail stands out."""
     from tests.test_planner import report as caps
 
-    measured = {"full": (0, 30, 65.4), "head": (0, 15, 83.7), "tail": (15, 30, 62.6), "slowed": (15, 30, 4.8), "small": (0, 2, 120.0)}
+    measured = {
+        "full": (0, 30, 65.4),
+        "head": (0, 15, 83.7),
+        "tail": (15, 30, 62.6),
+        "slowed": (15, 30, 4.8),
+        "small": (0, 2, 120.0),
+    }
     views = [NodeView(caps=caps(k, a, b, tps=tps), decode_tps=tps) for k, (a, b, tps) in measured.items()]
     assert [n.node_id for n in coverage_report(views, 0.0).nodes if n.slow] == ["slowed"]

@@ -37,11 +37,14 @@ FAULTY = "worker-3"
 @pytest.fixture(scope="module")
 def swarm(smollm2_path, tmp_path_factory):
     s = LocalSwarm(
-        smollm2_path, workdir=tmp_path_factory.mktemp("trust"),
+        smollm2_path,
+        workdir=tmp_path_factory.mktemp("trust"),
         ranges=[(0, 20), (20, 30), (0, 20), (20, 30)],
         worker_extra={
-            0: ["--trust-tier", "trusted"], 1: ["--trust-tier", "trusted"],
-            2: ["--trust-tier", "untrusted"], 3: ["--trust-tier", "untrusted", "--fault", "perturb"],
+            0: ["--trust-tier", "trusted"],
+            1: ["--trust-tier", "trusted"],
+            2: ["--trust-tier", "untrusted"],
+            3: ["--trust-tier", "untrusted", "--fault", "perturb"],
         },
         tracker_extra=["--audit-rate", "1.0"],
         auditor_extra=[],
@@ -58,7 +61,9 @@ def run(coro):
 
 async def generate(url: str, policy: str = "public", max_tokens: int = 8):
     async with await NeuronClient.connect(url) as c:
-        return await c.complete(PROMPT, policy=policy, sampling=M.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        return await c.complete(
+            PROMPT, policy=policy, sampling=M.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        )
 
 
 async def routes(url: str, policy: str, n: int) -> list[M.RouteAssignment]:
@@ -117,8 +122,11 @@ def test_private_generation_records_a_reproducible_validation_event(swarm):
     """Generation under the client role; event read back; `neuron-bus audit replay` agrees."""
     g = run(generate(swarm.role_url("client"), "private", max_tokens=8))
     assert {h.node_id for h in g.route.hops} <= TRUSTED and len(g.tokens) == 8
-    event = wait_for(lambda: _try(lambda: run(read(swarm.url, lambda js: validation_event(js, g.session_id)))), 30,
-                     "the validation event")
+    event = wait_for(
+        lambda: _try(lambda: run(read(swarm.url, lambda js: validation_event(js, g.session_id)))),
+        30,
+        "the validation event",
+    )
     assert event.policy == "private" and event.route_id == g.route.route_id
     assert [(m.node_id, m.layer_start, m.layer_end, m.trust_tier) for m in event.route] == [
         (h.node_id, h.layer_start, h.layer_end, h.trust_tier) for h in g.route.hops
@@ -128,15 +136,20 @@ def test_private_generation_records_a_reproducible_validation_event(swarm):
     assert len(event.prompt_sha256) == 64 and event.sampling.max_tokens == 8
     assert [s.index for s in event.logit_samples] == [0, 1, 2, 3] and len(event.logit_samples[0].logits) == 8
     assert event.model_revision == g.route.model_revision and event.tail_node_id == g.route.hops[-1].node_id
-    done = subprocess.run(cli() + ["audit", "replay", g.session_id, "--nats", swarm.url, "--json"],
-                          capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        cli() + ["audit", "replay", g.session_id, "--nats", swarm.url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     verdict = json.loads(done.stdout.strip().splitlines()[-1])
     assert verdict["verdict"] == "agree", verdict
     assert verdict["compared_tokens"] == 8 and verdict["max_logit_diff"] <= verdict["tolerance"]
     # the event id works as well as the session id
-    by_id = subprocess.run(cli() + ["audit", "replay", event.event_id, "--nats", swarm.url],
-                           capture_output=True, text=True, timeout=180)
+    by_id = subprocess.run(
+        cli() + ["audit", "replay", event.event_id, "--nats", swarm.url], capture_output=True, text=True, timeout=180
+    )
     assert by_id.returncode == 0 and "agree" in by_id.stdout, by_id.stdout + by_id.stderr
 
 
@@ -190,8 +203,12 @@ def test_heavier_shard_earns_more_and_seeding_is_not_inference(swarm, tiny_gguf)
     assert head.owned_layer_work > tail.owned_layer_work > 0
     assert head.reward_weight > tail.reward_weight
     assert head.reward_weight == pytest.approx(head.owned_layer_work * (head.prefill_tokens + head.decode_tokens))
-    pub = subprocess.run(cli() + ["artifact", "publish", str(tiny_gguf), "--node-id", "seeder", "--nats", swarm.url],
-                         capture_output=True, text=True, timeout=180)
+    pub = subprocess.run(
+        cli() + ["artifact", "publish", str(tiny_gguf), "--node-id", "seeder", "--nats", swarm.url],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert pub.returncode == 0, pub.stdout + pub.stderr
     out = subprocess.run(cli() + ["ledger", "--json", "--nats", swarm.url], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

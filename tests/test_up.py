@@ -25,9 +25,22 @@ def running_up(tmp_path, *args: str, timeout: float = 300):
     """`neuron-bus up` on free ports until it says "swarm up"; yields (process, nats port, gateway port)."""
     port, http, gateway = free_port(), free_port(), free_port()
     up = subprocess.Popen(
-        cli() + ["up", "--nats-port", str(port), "--http-port", str(http), "--port", str(gateway),
-                 "--workdir", str(tmp_path), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cli()
+        + [
+            "up",
+            "--nats-port",
+            str(port),
+            "--http-port",
+            str(http),
+            "--port",
+            str(gateway),
+            "--workdir",
+            str(tmp_path),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + timeout
@@ -54,7 +67,9 @@ def test_up_then_generate_produces_text_and_ctrl_c_stops_everything(tmp_path):
         assert "<html" in page.lower()
         out = subprocess.run(
             cli() + ["generate", "Name a colour:", "--nats", f"nats://127.0.0.1:{port}", "--max-tokens", "12"],
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip(), "no text generated"
@@ -86,14 +101,17 @@ def taken_port():
         yield s.getsockname()[1]
 
 
-@pytest.mark.parametrize("option,what", [("--http-port", "monitoring port"), ("--port", "gateway port"),
-                                         ("--nats-port", "client port")])
+@pytest.mark.parametrize(
+    "option,what", [("--http-port", "monitoring port"), ("--port", "gateway port"), ("--nats-port", "client port")]
+)
 def test_up_reports_a_taken_port_before_anything_starts(tmp_path, option, what):
     ports = {"--nats-port": free_port(), "--http-port": free_port(), "--port": free_port()}
     with taken_port() as busy:
         ports[option] = busy
         args = [x for kv in ports.items() for x in (kv[0], str(kv[1]))]
-        out = subprocess.run(cli() + ["up", "--workdir", str(tmp_path), *args], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            cli() + ["up", "--workdir", str(tmp_path), *args], capture_output=True, text=True, timeout=60
+        )
     assert out.returncode == 1
     assert f"{what} {busy}" in out.stderr and option in out.stderr and "in use" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
@@ -103,6 +121,10 @@ def test_up_reports_a_taken_port_before_anything_starts(tmp_path, option, what):
 
 def test_gateway_reports_its_taken_port(nats_server):
     with taken_port() as busy:
-        out = subprocess.run(cli() + ["gateway", "--nats", nats_server.url, "--port", str(busy)],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            cli() + ["gateway", "--nats", nats_server.url, "--port", str(busy)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert out.returncode == 1 and f"gateway port {busy}" in out.stderr and "in use" in out.stderr, out.stderr

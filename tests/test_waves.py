@@ -20,8 +20,14 @@ from workers.llama_cpp_full import LlamaCppFullBackend
 
 def route(hops: int) -> M.RouteAssignment:
     return M.RouteAssignment(
-        route_id="r", model_preset="m", model_revision="v", n_layers_total=hops,
-        hops=[M.RouteHop(node_id=f"n{i}", layer_start=i, layer_end=i + 1, subject="", backend_id="b", cache_abi="a") for i in range(hops)],
+        route_id="r",
+        model_preset="m",
+        model_revision="v",
+        n_layers_total=hops,
+        hops=[
+            M.RouteHop(node_id=f"n{i}", layer_start=i, layer_end=i + 1, subject="", backend_id="b", cache_abi="a")
+            for i in range(hops)
+        ],
     )
 
 
@@ -51,9 +57,12 @@ def test_the_head_groups_its_sessions_into_runs_of_neighbouring_slots(backend):
     assert wave_of == {"c": 0, "a": 0, "d": 1, "b": 1}
     assert waves.plan(sessions[:1], backend)[0] == 1  # one session: nothing to batch
     assert waves.plan([decoding(sid, 0, hops=3) for sid in "abcd"], backend)[0] == 2  # ceil(4 / 3)
-    assert DecodeWaves(deque(), asyncio.Event(), max_batch=3, wait_ms=10).plan(
-        [decoding(sid, 0, hops=1) for sid in "abcd"], backend
-    )[0] == 3  # capped
+    assert (
+        DecodeWaves(deque(), asyncio.Event(), max_batch=3, wait_ms=10).plan(
+            [decoding(sid, 0, hops=1) for sid in "abcd"], backend
+        )[0]
+        == 3
+    )  # capped
     finished = decoding("a", 0)
     finished.finished = True
     assert "a" not in waves.plan([finished, *sessions[1:]], backend)[1]

@@ -299,7 +299,9 @@ class LlamaCppModel:
         cparams.kv_unified = False
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
-        cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.flash_attn_type = (
+            L.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
         cparams.type_k = _KV_TYPES[config.kv_type]
         cparams.type_v = _KV_TYPES[config.kv_type]
         cparams.no_perf = True
@@ -418,4 +420,3 @@ class LlamaCppModel:
 def _meta_int(m: LlamaCppModel, suffix: str) -> int | None:
     v = m.meta(f"{m.arch}.{suffix}")
     return int(v) if v is not None and v.strip().lstrip("-").isdigit() else None
-

@@ -18,7 +18,11 @@ class NoopBackend(Backend):
 
     def __init__(self, *, layer_start: int, layer_end: int, n_layers: int, hidden_size: int, vocab_size: int):
         super().__init__(
-            layer_start=layer_start, layer_end=layer_end, n_layers=n_layers, hidden_size=hidden_size, vocab_size=vocab_size
+            layer_start=layer_start,
+            layer_end=layer_end,
+            n_layers=n_layers,
+            hidden_size=hidden_size,
+            vocab_size=vocab_size,
         )
         self._logits = np.zeros(vocab_size, dtype=np.float32)
         self._logits[0] = 1.0
@@ -26,9 +30,16 @@ class NoopBackend(Backend):
     @property
     def capability(self) -> Capability:
         return Capability(
-            model_arch="noop", supported_runtime="none", supports_prefill=True, supports_decode_step=True,
-            supports_layer_range=True, supports_partial_artifacts=True, cache_abi="noop-v1",
-            cache_bytes_per_token_estimate=0, prefill_tokens_per_second=1e9, decode_tokens_per_second=1e9,
+            model_arch="noop",
+            supported_runtime="none",
+            supports_prefill=True,
+            supports_decode_step=True,
+            supports_layer_range=True,
+            supports_partial_artifacts=True,
+            cache_abi="noop-v1",
+            cache_bytes_per_token_estimate=0,
+            prefill_tokens_per_second=1e9,
+            decode_tokens_per_second=1e9,
         )
 
     def _open(self, session_id: str, n_ctx: int) -> None:

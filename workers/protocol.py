@@ -128,7 +128,7 @@ class Backend(abc.ABC):
             if x.shape[0] != 1:
                 raise BadInput(f"a decode step carries exactly one position, got {x.shape[0]}")
         outs = self._forward_batch([(sid, pos, self._as_input(x)) for sid, pos, x in steps])
-        for sid, pos, x in steps:
+        for sid, _, _ in steps:
             self._advance(sid, 1)
         return outs
 
@@ -164,9 +164,7 @@ class Backend(abc.ABC):
     def _check(self, session_id: str, position: int, x: np.ndarray) -> SessionState:
         st = self._state(session_id)
         if position != st.position:
-            raise PositionGap(
-                f"session {session_id}: expected position {st.position}, got {position}"
-            )
+            raise PositionGap(f"session {session_id}: expected position {st.position}, got {position}")
         if self.is_head:
             if x.ndim != 1 or not np.issubdtype(x.dtype, np.integer):
                 raise BadInput(f"head input must be a 1-D array of token ids, got {x.dtype}{list(x.shape)}")
@@ -176,9 +174,7 @@ class Backend(abc.ABC):
             if x.dtype != np.float32:
                 raise BadInput(f"hidden states must be float32, got {x.dtype}")
             if x.ndim != 2 or x.shape[1] != self.hidden_size:
-                raise BadInput(
-                    f"hidden states must have shape [n, {self.hidden_size}], got {list(x.shape)}"
-                )
+                raise BadInput(f"hidden states must have shape [n, {self.hidden_size}], got {list(x.shape)}")
         n = x.shape[0]
         if n == 0:
             raise BadInput("empty input")

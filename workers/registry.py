@@ -56,8 +56,10 @@ def open_backend(
 
         m = GGUFModel(model_path)
         return NoopBackend(
-            layer_start=layer_start or 0, layer_end=m.n_layers if layer_end is None else layer_end,
-            n_layers=m.n_layers, hidden_size=int(m.field(f"{m.arch}.embedding_length")),
+            layer_start=layer_start or 0,
+            layer_end=m.n_layers if layer_end is None else layer_end,
+            n_layers=m.n_layers,
+            hidden_size=int(m.field(f"{m.arch}.embedding_length")),
             vocab_size=len(m.field("tokenizer.ggml.tokens")),
         )
     raise BadInput(f"unknown backend kind {kind!r}: use one of {', '.join(KINDS)}")

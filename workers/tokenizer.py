@@ -17,7 +17,6 @@ from pathlib import Path
 import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-
 # Architectures whose GGUFs may lack a chat template -> llama.cpp's built-in template for them.
 BUILTIN_TEMPLATES = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma"}
 
@@ -31,7 +30,9 @@ class Tokenizer:
         meta = self._llama.metadata
         self.add_bos = meta.get("tokenizer.ggml.add_bos_token", "true") == "true"
         self.chat_template = meta.get("tokenizer.chat_template")
-        self.builtin_template = None if self.chat_template else BUILTIN_TEMPLATES.get(meta.get("general.architecture", ""))
+        self.builtin_template = (
+            None if self.chat_template else BUILTIN_TEMPLATES.get(meta.get("general.architecture", ""))
+        )
         self._vocab = self._llama._model.vocab
 
     def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
@@ -69,7 +70,7 @@ class Tokenizer:
         starts_with_bos = bool(bos) and text.startswith(bos)  # Jinja templates often write it themselves
         return text, self.encode(text, add_bos=self.add_bos and not starts_with_bos)
 
-    def stream_decoder(self) -> "TextStream":
+    def stream_decoder(self) -> TextStream:
         return TextStream(self)
 
 

@@ -314,7 +314,7 @@ def load_layer_range(path: str | Path, layer_start: int, layer_end: int, dtype: 
     for layer in range(layer_start, layer_end):
         prefix = f"blk.{layer}."
         for name in (n for n in tensors if n.startswith(prefix)):
-            kind, _, suffix = name[len(prefix):].partition(".")
+            kind, _, suffix = name[len(prefix) :].partition(".")
             if kind not in _BLOCK_NAMES or suffix != "weight":
                 raise UnsupportedModel(f"torch backend: unexpected tensor {name} in a llama block")
             wanted[name] = f"layers.{layer - layer_start}.{_BLOCK_NAMES[kind]}.weight"

@@ -46,9 +46,7 @@ def parse_layers(spec: str, n_layers: int | None = None) -> tuple[int, int]:
     if start < 0 or last < start:
         raise ArtifactError("bad_range", f"bad layer range {spec!r}: FIRST must be <= LAST and >= 0")
     if n_layers is not None and last >= n_layers:
-        raise ArtifactError(
-            "bad_range", f"layer range {spec} is outside the model: it has layers 0-{n_layers - 1}"
-        )
+        raise ArtifactError("bad_range", f"layer range {spec} is outside the model: it has layers 0-{n_layers - 1}")
     return start, last + 1
 
 

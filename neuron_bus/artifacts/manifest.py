@@ -12,9 +12,9 @@ import hashlib
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import gguf
 import msgspec
@@ -145,9 +145,7 @@ def cache_descriptor(model: GGUFModel) -> CacheDescriptor:
     )
 
 
-def _hash_file(
-    path: Path, pieces: list[PieceHash], tensors: list[TensorEntry], tick: Callable[[int], None]
-) -> str:
+def _hash_file(path: Path, pieces: list[PieceHash], tensors: list[TensorEntry], tick: Callable[[int], None]) -> str:
     """One pass over ``path``: fills in piece and tensor sha256s, returns the file's sha256."""
     file_h = hashlib.sha256()
     tensors = sorted(tensors, key=lambda t: t.offset)

@@ -44,9 +44,7 @@ def plan(manifest: ArtifactManifest, start: int, end: int) -> Plan:
     """Pieces for layers [start, end): headers, the range's blocks, and the shared tensors it needs."""
     n = n_layers(manifest)
     if not 0 <= start < end <= n:
-        raise ArtifactError(
-            "bad_range", f"layer range {start}-{end - 1} is outside the model: it has layers 0-{n - 1}"
-        )
+        raise ArtifactError("bad_range", f"layer range {start}-{end - 1} is outside the model: it has layers 0-{n - 1}")
     shared = [t for t in manifest.tensor_to_layer_map if t.layer is None]
     real, placeholders = needed_shared([t.name for t in shared], n, start, end)
     shared_pieces = {t.name: list(t.pieces) for t in shared if t.name in real}

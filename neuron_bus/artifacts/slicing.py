@@ -89,7 +89,7 @@ def slice_gguf(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for name, t, is_placeholder in tensors:
+        for _name, t, is_placeholder in tensors:
             data = t.reader_tensor.data
             writer.write_tensor_data(np.zeros_like(data) if is_placeholder else data)
         writer.close()

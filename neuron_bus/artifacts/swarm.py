@@ -30,8 +30,8 @@ from neuron_bus.artifacts.manifest import (
     build_manifest,
     decode_manifest,
     encode_manifest,
-    save_manifest,
     load_manifest,
+    save_manifest,
 )
 from neuron_bus.artifacts.plan import Plan, plan
 from neuron_bus.artifacts.slicing import slice_gguf
@@ -150,7 +150,8 @@ async def fetch_manifest(js: JetStreamContext, artifact_id: str) -> ArtifactMani
         obs = await artifact_store(js, create=False)
     except ArtifactError:
         raise ArtifactError(
-            "not_found", f"artifact {artifact_id} is not in the store (no {S.OBJ_ARTIFACTS} bucket yet: publish it first)"
+            "not_found",
+            f"artifact {artifact_id} is not in the store (no {S.OBJ_ARTIFACTS} bucket yet: publish it first)",
         ) from None
     try:
         name = manifest_object(artifact_id)
@@ -161,7 +162,9 @@ async def fetch_manifest(js: JetStreamContext, artifact_id: str) -> ArtifactMani
     except NotFoundError:
         raise ArtifactError("not_found", f"artifact {artifact_id} is not in the store (publish it first)") from None
     except DigestMismatchError:
-        raise ArtifactError("hash_mismatch", f"the manifest of artifact {artifact_id} is corrupt in the store") from None
+        raise ArtifactError(
+            "hash_mismatch", f"the manifest of artifact {artifact_id} is corrupt in the store"
+        ) from None
     manifest = decode_manifest(res.data, f"manifest of artifact {artifact_id}")
     if manifest.artifact_id != artifact_id:
         raise ArtifactError("bad_manifest", f"the store's manifest {name} names artifact {manifest.artifact_id}")

@@ -107,7 +107,9 @@ def _check_file(path: Path, manifest: ArtifactManifest, ev: _Evidence, why_not_g
         )
         return SourceReport(str(path), "unusable", False, problem=problem)
     if bad:
-        problem = f"{path}: {len(bad)} of {len(pieces)} pieces do not match (first: piece {bad[0].index}, {bad[0].region})"
+        problem = (
+            f"{path}: {len(bad)} of {len(pieces)} pieces do not match (first: piece {bad[0].index}, {bad[0].region})"
+        )
         return SourceReport(str(path), "file", False, problem=problem)
     return SourceReport(str(path), "file", True)
 

@@ -16,7 +16,6 @@ app = typer.Typer(
 DEFAULT_NATS_URL = os.environ.get("NEURON_NATS_URL", "nats://127.0.0.1:4222")
 
 
-
 @app.callback()
 def _root() -> None:
     """Run GGUF models across machines, one contiguous layer range per node, over NATS JetStream."""

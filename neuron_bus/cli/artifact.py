@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from neuron_bus.artifacts.gguf_model import ArtifactError, GGUFModel, format_layers, parse_layers
 from neuron_bus.cli.app import NatsOption, fail
@@ -130,8 +130,10 @@ def plan(
         typer.echo(json.dumps(pl.to_dict()))
         return
     total = sum(f.size for f in m.file_hashes)
-    typer.echo(f"artifact {m.artifact_id} layers {pl.layers}: {len(pl.pieces)} pieces, {pl.nbytes} bytes "
-               f"({100 * pl.nbytes / total:.1f}% of {total})")
+    typer.echo(
+        f"artifact {m.artifact_id} layers {pl.layers}: {len(pl.pieces)} pieces, {pl.nbytes} bytes "
+        f"({100 * pl.nbytes / total:.1f}% of {total})"
+    )
     typer.echo(f"  header pieces: {_spans(pl.header_pieces)}")
     typer.echo(f"  block pieces:  {_spans(pl.block_pieces)}")
     for name, pieces in pl.shared_pieces.items():
@@ -201,7 +203,9 @@ def slice_cmd(
             m = load_manifest(manifest_path)
             mine = build_manifest(model, piece_size=m.piece_size)
             if mine.artifact_id != m.artifact_id:
-                raise ArtifactError("wrong_manifest", f"{files[0]} is not artifact {m.artifact_id} (a manifest for a different file?)")
+                raise ArtifactError(
+                    "wrong_manifest", f"{files[0]} is not artifact {m.artifact_id} (a manifest for a different file?)"
+                )
             artifact_id = m.artifact_id
         path = slice_gguf(model, start, end, out, artifact_id)
     typer.echo(f"layers {format_layers(start, end)} of {model.n_layers} -> {path} ({path.stat().st_size} bytes)")
@@ -210,10 +214,14 @@ def slice_cmd(
 @artifact_app.command()
 def publish(
     files: list[Path] = typer.Argument(..., help="The model: one GGUF, or every file of a gguf-split set."),
-    manifest_path: Path = typer.Option(None, "--manifest", help="Publish with this manifest (files are checked against it)."),
+    manifest_path: Path = typer.Option(
+        None, "--manifest", help="Publish with this manifest (files are checked against it)."
+    ),
     piece_size: int = typer.Option(1 << 20, help="Piece size when building the manifest."),
     nats_url: str = NatsOption,
-    node_id: str = typer.Option(None, "--node-id", help="Record the bytes seeded in the ledger (kind seeding) for this node."),
+    node_id: str = typer.Option(
+        None, "--node-id", help="Record the bytes seeded in the ledger (kind seeding) for this node."
+    ),
 ) -> None:
     """Seed a model into the JetStream Object Store: every piece, then the manifest."""
     from neuron_bus.artifacts.manifest import build_manifest, load_manifest
@@ -244,8 +252,14 @@ async def _record_seeding(js, node_id: str, res) -> None:
     from neuron_bus import subjects as S
     from neuron_bus.flow import publish as js_publish
 
-    entry = M.LedgerEntry(entry_id=uuid.uuid4().hex, node_id=S.check_token(node_id, "node id"), kind="seeding",
-                          ts=time.time(), bytes_served=res.bytes_put, reward_weight=0.0)
+    entry = M.LedgerEntry(
+        entry_id=uuid.uuid4().hex,
+        node_id=S.check_token(node_id, "node id"),
+        kind="seeding",
+        ts=time.time(),
+        bytes_served=res.bytes_put,
+        reward_weight=0.0,
+    )
     await js_publish(js, S.ledger(node_id), M.encode(entry))
 
 

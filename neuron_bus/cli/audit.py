@@ -99,7 +99,9 @@ def check_artifact(audit: ModelAudit) -> None:
     audit.n_layers = model.n_layers
     hidden = model.field(f"{model.arch}.embedding_length")
     audit.hidden_size = int(hidden) if hidden is not None else None
-    audit.artifact = Check(True, f"{model.arch}, {model.n_layers} layers, hidden {audit.hidden_size}, {len(model.tensors)} tensors")
+    audit.artifact = Check(
+        True, f"{model.arch}, {model.n_layers} layers, hidden {audit.hidden_size}, {len(model.tensors)} tensors"
+    )
 
 
 def _greedy(run, prompt: np.ndarray, n_decode: int) -> list[np.ndarray]:
@@ -165,8 +167,14 @@ def check_llama_cpp_boundary(audit: ModelAudit, reference, threads: int) -> Chec
             for start, end in ((0, split), (split, audit.n_layers)):
                 hops.append(
                     LlamaCppRangeBackend(
-                        audit.path, start, end, cache_dir=tmp, n_ctx=N_CTX, max_sessions=1,
-                        n_threads=threads, benchmark=False,
+                        audit.path,
+                        start,
+                        end,
+                        cache_dir=tmp,
+                        n_ctx=N_CTX,
+                        max_sessions=1,
+                        n_threads=threads,
+                        benchmark=False,
                     )
                 )
             got = _greedy(_through(hops, "audit"), prompt, N_DECODE)
@@ -178,7 +186,10 @@ def check_llama_cpp_boundary(audit: ModelAudit, reference, threads: int) -> Chec
     where = f"split {0}-{split - 1} | {split}-{audit.n_layers - 1}"
     diffs = [float(np.abs(a - b).max()) for a, b in zip(got, expected)]
     if all(np.array_equal(a, b) for a, b in zip(got, expected)):
-        return Check(True, f"{where}: logits bit-identical to the whole model over {len(prompt)} prompt + {N_DECODE} decode positions")
+        return Check(
+            True,
+            f"{where}: logits bit-identical to the whole model over {len(prompt)} prompt + {N_DECODE} decode positions",
+        )
     return Check(False, f"{where}: logits differ from the whole model (max |diff| {max(diffs):.3g})")
 
 
@@ -279,8 +290,12 @@ def model(
 @audit_app.command("replay")
 def replay(
     key: str = typer.Argument(..., help="Session id or event id of a stored validation event."),
-    nats: str = typer.Option(None, "--nats", help="NATS server (default: env NEURON_NATS_URL or nats://127.0.0.1:4222)."),
-    reference: str = typer.Option("single", "--reference", help="single (whole model in this process) | route (a fresh route)."),
+    nats: str = typer.Option(
+        None, "--nats", help="NATS server (default: env NEURON_NATS_URL or nats://127.0.0.1:4222)."
+    ),
+    reference: str = typer.Option(
+        "single", "--reference", help="single (whole model in this process) | route (a fresh route)."
+    ),
     model: str = typer.Option(None, "--model", help="Reference GGUF path or preset (default: the event's preset)."),
     threads: int = typer.Option(1, "--threads"),
     as_json: bool = typer.Option(False, "--json", help="Print the AuditVerdict as JSON."),
@@ -322,7 +337,9 @@ def replay(
         typer.echo(M.encode(verdict).decode())
     else:
         route = " -> ".join(f"{m.node_id}[{m.layer_start}-{m.layer_end - 1}]" for m in event.route)
-        typer.echo(f"session {event.session_id} ({event.model_preset}, route {route}, {len(event.output_tokens)} tokens)")
+        typer.echo(
+            f"session {event.session_id} ({event.model_preset}, route {route}, {len(event.output_tokens)} tokens)"
+        )
         typer.echo(f"{verdict.verdict}: {verdict.detail}")
     if verdict.verdict == "disagree":
         raise typer.Exit(2)

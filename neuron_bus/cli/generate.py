@@ -19,35 +19,63 @@ from neuron_bus.models import DEFAULT_PRESET
 
 
 async def run_generation(
-    url: str, prompt: str, *, chat: bool, sampling: M.SamplingParams, model: str, wire_dtype: str,
-    encoding: str, chunk_size: int, as_json: bool, out=sys.stdout, policy: str = "public",
+    url: str,
+    prompt: str,
+    *,
+    chat: bool,
+    sampling: M.SamplingParams,
+    model: str,
+    wire_dtype: str,
+    encoding: str,
+    chunk_size: int,
+    as_json: bool,
+    out=sys.stdout,
+    policy: str = "public",
 ) -> dict:
     """Stream one generation: text to ``out``, a progress bar and tok/s to stderr."""
     err = Console(stderr=True)
     async with await NeuronClient.connect(url) as client:
         route = await client.route(model, wire_dtype, encoding, policy=policy)
-        req = M.TokenizeRequest(messages=[{"role": "user", "content": prompt}]) if chat else M.TokenizeRequest(text=prompt)
+        req = (
+            M.TokenizeRequest(messages=[{"role": "user", "content": prompt}])
+            if chat
+            else M.TokenizeRequest(text=prompt)
+        )
         tok = await client.control(route.hops[0].node_id, req)
         tokens, text = [], []
         finish = session_id = None
         started = time.monotonic()
         first = None
         with Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
-            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err, transient=True,
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            console=err,
+            transient=True,
             disable=as_json or not err.is_terminal,
         ) as bar:
             task = bar.add_task("prefill", total=len(tok.tokens), rate="")
             async for ev in client.generate(
-                prompt_tokens=tok.tokens, route=route, sampling=sampling, model_preset=model, chunk_size=chunk_size,
+                prompt_tokens=tok.tokens,
+                route=route,
+                sampling=sampling,
+                model_preset=model,
+                chunk_size=chunk_size,
                 policy=policy,
             ):
                 if isinstance(ev, M.GenerationTelemetry):
                     if ev.phase == "prefill":
                         bar.update(task, completed=ev.prefill_tokens_done, description="prefill")
                     elif ev.phase == "decode":
-                        bar.update(task, completed=ev.generated_tokens, total=sampling.max_tokens, description="decode",
-                                   rate=f"{ev.rolling_tokens_per_second:.1f} tok/s")
+                        bar.update(
+                            task,
+                            completed=ev.generated_tokens,
+                            total=sampling.max_tokens,
+                            description="decode",
+                            rate=f"{ev.rolling_tokens_per_second:.1f} tok/s",
+                        )
                     continue
                 first = first or time.monotonic()
                 session_id = ev.session_id
@@ -61,16 +89,25 @@ async def run_generation(
         elapsed = time.monotonic() - started
     rate = (len(tokens) - 1) / (time.monotonic() - first) if first and len(tokens) > 1 else 0.0
     result = {
-        "route_id": route.route_id, "nodes": [h.node_id for h in route.hops], "policy": route.policy,
-        "session_id": session_id, "trust_tiers": [h.trust_tier for h in route.hops],
-        "prompt_tokens": tok.tokens, "tokens": tokens, "text": "".join(text), "finish_reason": finish,
-        "decode_tokens_per_second": round(rate, 2), "elapsed_s": round(elapsed, 3),
+        "route_id": route.route_id,
+        "nodes": [h.node_id for h in route.hops],
+        "policy": route.policy,
+        "session_id": session_id,
+        "trust_tiers": [h.trust_tier for h in route.hops],
+        "prompt_tokens": tok.tokens,
+        "tokens": tokens,
+        "text": "".join(text),
+        "finish_reason": finish,
+        "decode_tokens_per_second": round(rate, 2),
+        "elapsed_s": round(elapsed, 3),
     }
     if as_json:
         out.write(json.dumps(result) + "\n")
     else:
         out.write("\n")
-        err.print(f"[dim]{len(tokens)} tokens, {rate:.1f} tok/s, route {' -> '.join(result['nodes'])}, finish: {finish}[/dim]")
+        err.print(
+            f"[dim]{len(tokens)} tokens, {rate:.1f} tok/s, route {' -> '.join(result['nodes'])}, finish: {finish}[/dim]"
+        )
     return result
 
 
@@ -97,12 +134,24 @@ def generate(
         fail("--wire-dtype must be f32 or bf16")
     if policy not in ("public", "private", "paid-trusted"):
         fail("--policy must be public, private or paid-trusted")
-    sampling = M.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=stop)
+    sampling = M.SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, max_tokens=max_tokens, stop=stop
+    )
     try:
-        asyncio.run(run_generation(
-            nats, prompt, chat=chat, sampling=sampling, model=model, wire_dtype=wire_dtype,
-            encoding="zstd" if zstd else "raw", chunk_size=chunk_size, as_json=as_json, policy=policy,
-        ))
+        asyncio.run(
+            run_generation(
+                nats,
+                prompt,
+                chat=chat,
+                sampling=sampling,
+                model=model,
+                wire_dtype=wire_dtype,
+                encoding="zstd" if zstd else "raw",
+                chunk_size=chunk_size,
+                as_json=as_json,
+                policy=policy,
+            )
+        )
     except RouteError as exc:
         where = f" at node {exc.node_id}" if exc.node_id else ""
         fail(f"generation failed in phase {exc.phase}{where}: {exc.reason}: {exc}")
@@ -133,5 +182,7 @@ def sessions(
     for col in ("session", "route", "hop", "position", "cache bytes", "idle s"):
         table.add_column(col)
     for s in report.sessions:
-        table.add_row(s.session_id, s.route_id, str(s.hop_index), str(s.position), str(s.cache_bytes), f"{s.idle_seconds:.1f}")
+        table.add_row(
+            s.session_id, s.route_id, str(s.hop_index), str(s.position), str(s.cache_bytes), f"{s.idle_seconds:.1f}"
+        )
     Console().print(table)

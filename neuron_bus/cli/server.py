@@ -65,7 +65,9 @@ def server(
     ),
     tls_cert: Path = typer.Option(None, "--tls-cert", help="Serve TLS with this certificate (PEM)."),
     tls_key: Path = typer.Option(None, "--tls-key", help="The certificate's private key (PEM)."),
-    tls_ca: Path = typer.Option(None, "--tls-ca", help="CA to verify the server with when provisioning (default: the cert)."),
+    tls_ca: Path = typer.Option(
+        None, "--tls-ca", help="CA to verify the server with when provisioning (default: the cert)."
+    ),
 ) -> None:
     """Start the embedded nats-server with JetStream; stop cleanly on SIGINT/SIGTERM."""
     from neuron_bus.trust.permissions import role_url, tls_block

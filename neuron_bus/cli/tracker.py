@@ -8,15 +8,15 @@ import logging
 import signal
 
 import msgspec
-from nats import errors as nats_errors
 import typer
+from nats import errors as nats_errors
 
 from neuron_bus import messages
 from neuron_bus import subjects as S
 from neuron_bus.cli.app import NatsOption, app, fail
+from neuron_bus.client import NeuronClient, RouteError
 from neuron_bus.topology import connect
 from neuron_bus.tracker import TrackerParams, TrackerService
-from neuron_bus.client import NeuronClient, RouteError
 from neuron_bus.tracker.coverage import spans
 from neuron_bus.tracker.layers import spell
 from neuron_bus.tracker.service import TrackerError
@@ -46,15 +46,19 @@ def tracker(
     nats: str = NatsOption,
     expiry: float = typer.Option(_DEFAULTS.expiry, help="Seconds without a heartbeat before a node is dead."),
     slow_factor: float = typer.Option(
-        _DEFAULTS.slow_factor, help="A node this many times slower per token than its group's nodes (for as many layers) is avoided."
+        _DEFAULTS.slow_factor,
+        help="A node this many times slower per token than its group's nodes (for as many layers) is avoided.",
     ),
-    min_replicas: int = typer.Option(_DEFAULTS.min_replicas, help="Coverage: fewer live replicas is under-provisioned."),
+    min_replicas: int = typer.Option(
+        _DEFAULTS.min_replicas, help="Coverage: fewer live replicas is under-provisioned."
+    ),
     min_capacity: float = typer.Option(
         _DEFAULTS.min_capacity_tokens_per_second, help="Coverage: less summed decode tok/s is under-provisioned."
     ),
     ping_interval: float = typer.Option(_DEFAULTS.ping_interval, help="Seconds between latency pings (0: off)."),
     forget_after: float = typer.Option(
-        _DEFAULTS.forget_after, help="Seconds after which a dead node (or a stored report with no heartbeat) is forgotten."
+        _DEFAULTS.forget_after,
+        help="Seconds after which a dead node (or a stored report with no heartbeat) is forgotten.",
     ),
     audit_rate: float = typer.Option(
         _DEFAULTS.audit_rate, min=0.0, max=1.0, help="Fraction of sessions sent to `neuron-bus auditor` for replay."
@@ -62,7 +66,9 @@ def tracker(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every heartbeat problem too."),
 ) -> None:
     """Keep the node registry from heartbeats and answer route and coverage requests."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
+    )
     params = TrackerParams(
         expiry=expiry,
         slow_factor=slow_factor,
@@ -138,7 +144,9 @@ def render(report: messages.CoverageReport, model: str | None = None) -> None:
         if group.nodes_expired:
             console.print(f"expired: {', '.join(group.nodes_expired)}")
         if group.hint:
-            console.print(f"a joining node helps most on layers {spell(group.hint.layer_start, group.hint.layer_end)}: {group.hint.reason}")
+            console.print(
+                f"a joining node helps most on layers {spell(group.hint.layer_start, group.hint.layer_end)}: {group.hint.reason}"
+            )
     if report.nodes:
         nodes = Table(title="nodes", title_justify="left")
         for col in ("node", "model", "layers", "state", "decode tok/s", "sessions", "queue", "rtt ms", "slow"):

@@ -17,7 +17,9 @@ from neuron_bus.topology import connect
 
 @app.command()
 def permissions(
-    out: Path = typer.Option(Path("nats-auth.conf"), "--out", help="Server config include to write (authorization block)."),
+    out: Path = typer.Option(
+        Path("nats-auth.conf"), "--out", help="Server config include to write (authorization block)."
+    ),
     password_file: Path = typer.Option(
         Path("nats-passwords.json"), "--password-file", help="Role -> password (JSON, mode 0600); created or completed."
     ),
@@ -91,10 +93,18 @@ def ledger(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="reward ledger (inference weight = owned layer work × (prefill + decode tokens))", title_justify="left")
+    table = Table(
+        title="reward ledger (inference weight = owned layer work × (prefill + decode tokens))", title_justify="left"
+    )
     for col in ("node", "inference weight", "sessions", "prefill tokens", "decode tokens", "seeding bytes"):
         table.add_column(col)
     for t in rows.values():
-        table.add_row(t.node_id, f"{t.inference_weight:.1f}", str(t.sessions), str(t.prefill_tokens), str(t.decode_tokens),
-                      str(t.seeding_bytes))
+        table.add_row(
+            t.node_id,
+            f"{t.inference_weight:.1f}",
+            str(t.sessions),
+            str(t.prefill_tokens),
+            str(t.decode_tokens),
+            str(t.seeding_bytes),
+        )
     Console().print(table)

@@ -21,12 +21,16 @@ from neuron_bus.local_swarm import LocalSwarm
 @app.command()
 def up(
     model: str = typer.Option(models.DEFAULT_PRESET, help="GGUF path or preset."),
-    shards: int = typer.Option(2, min=1, help="Workers; the layers are split so each does about the same work per token."),
+    shards: int = typer.Option(
+        2, min=1, help="Workers; the layers are split so each does about the same work per token."
+    ),
     backend: str = typer.Option("llama-cpp", help="llama-cpp | torch"),
     threads: int = typer.Option(1, min=1, help="Threads per worker."),
     nats_port: int = typer.Option(4222, help="Client port of the embedded nats-server."),
     http_port: int = typer.Option(8222, help="Monitoring port of the embedded nats-server."),
-    port: int = typer.Option(8080, min=0, max=65535, help="HTTP port of the gateway (web page, OpenAI API); 0: no gateway."),
+    port: int = typer.Option(
+        8080, min=0, max=65535, help="HTTP port of the gateway (web page, OpenAI API); 0: no gateway."
+    ),
     workdir: Path = typer.Option(None, help="Store and logs (default: a temporary directory)."),
     prompt: str = typer.Option(None, help="Once up, stream one generation of this prompt."),
     max_tokens: int = typer.Option(48, help="Tokens for --prompt."),
@@ -40,7 +44,13 @@ def up(
     work = workdir or Path(tempfile.mkdtemp(prefix="neuron-bus-up-"))
     try:
         swarm = LocalSwarm(
-            path, shards, backend=backend, threads=threads, workdir=work, nats_port=nats_port, http_port=http_port,
+            path,
+            shards,
+            backend=backend,
+            threads=threads,
+            workdir=work,
+            nats_port=nats_port,
+            http_port=http_port,
             gateway_port=port or None,
         )
     except (NeuronBusError, ValueError) as exc:  # a bad model file, or no loadable split into --shards
@@ -54,20 +64,35 @@ def up(
     except BaseException:
         swarm.stop()
         raise
-    console.print(f"[green]swarm up[/green]: {swarm.preset}, {len(swarm.workers)} workers on {swarm.url}; logs in {work}")
+    console.print(
+        f"[green]swarm up[/green]: {swarm.preset}, {len(swarm.workers)} workers on {swarm.url}; logs in {work}"
+    )
     for w in swarm.workers:
         console.print(f"  {w.node_id}: layers {w.layers[0]}-{w.layers[1] - 1}")
     if swarm.gateway_url:
-        console.print(f"gateway: {swarm.gateway_url}  (web page; OpenAI API at {swarm.gateway_url}/v1; /metrics, /healthz)")
-    console.print(f'try: neuron-bus generate "Tell me about the sea" --nats {swarm.url}    (Ctrl-C here stops the swarm)')
+        console.print(
+            f"gateway: {swarm.gateway_url}  (web page; OpenAI API at {swarm.gateway_url}/v1; /metrics, /healthz)"
+        )
+    console.print(
+        f'try: neuron-bus generate "Tell me about the sea" --nats {swarm.url}    (Ctrl-C here stops the swarm)'
+    )
     try:
         if prompt:
             from neuron_bus.cli.generate import run_generation
 
-            asyncio.run(run_generation(
-                swarm.url, prompt, chat=True, sampling=M.SamplingParams(max_tokens=max_tokens), model=swarm.preset,
-                wire_dtype="f32", encoding="raw", chunk_size=256, as_json=False,
-            ))
+            asyncio.run(
+                run_generation(
+                    swarm.url,
+                    prompt,
+                    chat=True,
+                    sampling=M.SamplingParams(max_tokens=max_tokens),
+                    model=swarm.preset,
+                    wire_dtype="f32",
+                    encoding="raw",
+                    chunk_size=256,
+                    as_json=False,
+                )
+            )
         wait_for_signal()
     except KeyboardInterrupt:
         pass

@@ -28,7 +28,13 @@ def slowed(tokens_per_second: float, positions_per_call: int, slow_ms: float) ->
 
 
 def build_report(
-    node_id: str, backend, preset: str, revision: str, artifact_id: str, trust_tier: str, slow_ms: float = 0.0,
+    node_id: str,
+    backend,
+    preset: str,
+    revision: str,
+    artifact_id: str,
+    trust_tier: str,
+    slow_ms: float = 0.0,
     layer_kinds: list[str] | None = None,
 ) -> M.CapabilityReport:
     cap = msgspec.structs.asdict(backend.capability)
@@ -110,9 +116,15 @@ def worker(
     dtype: str = typer.Option("float32", help="torch backend compute dtype: float32 | bfloat16."),
     n_ctx: int = typer.Option(4608, help="llama-cpp: positions per session (prompt + generated)."),
     max_sessions: int = typer.Option(8, help="llama-cpp: concurrent sessions (KV slots) per worker."),
-    flash_attn: bool = typer.Option(True, help="llama-cpp: flash attention (part of the cache ABI: every hop of a route must agree)."),
-    snapshot_every: int = typer.Option(0, help="Write a KV snapshot of every decoding session each N positions (0: off)."),
-    snapshot_nats: str = typer.Option(None, help="Cache server holding the neuron-snapshots bucket (default: the bus)."),
+    flash_attn: bool = typer.Option(
+        True, help="llama-cpp: flash attention (part of the cache ABI: every hop of a route must agree)."
+    ),
+    snapshot_every: int = typer.Option(
+        0, help="Write a KV snapshot of every decoding session each N positions (0: off)."
+    ),
+    snapshot_nats: str = typer.Option(
+        None, help="Cache server holding the neuron-snapshots bucket (default: the bus)."
+    ),
 ) -> None:
     """Load a layer range of a GGUF model and serve every route assigned to it."""
     from neuron_bus.worker.service import WorkerOptions
@@ -148,7 +160,11 @@ def worker(
         from workers.registry import open_backend  # execution lives in workers/
         from workers.tokenizer import Tokenizer
 
-        opts = {"dtype": dtype} if backend == "torch" else {"n_ctx": n_ctx, "max_sessions": max_sessions, "flash_attn": flash_attn}
+        opts = (
+            {"dtype": dtype}
+            if backend == "torch"
+            else {"n_ctx": n_ctx, "max_sessions": max_sessions, "flash_attn": flash_attn}
+        )
         be = open_backend(backend, path, start, end, threads=threads, **opts)
         tok = Tokenizer(path)
         work = owned_layer_work(gguf or path, be.layer_start, be.layer_end, be.n_layers)
@@ -156,8 +172,13 @@ def worker(
         fail(str(exc))
     report = build_report(node_id, be, preset, revision, artifact_id, trust_tier, slow_ms, kinds)
     options = WorkerOptions(
-        idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms,
-        snapshot_every=snapshot_every, snapshot_url=snapshot_nats, owned_layer_work=work, fault=fault,
+        idle_timeout=idle_timeout,
+        max_decode_batch=max_decode_batch,
+        slow_ms=slow_ms,
+        snapshot_every=snapshot_every,
+        snapshot_url=snapshot_nats,
+        owned_layer_work=work,
+        fault=fault,
     )
     try:
         asyncio.run(serve(nats, be, tok, report, options, metrics_port))

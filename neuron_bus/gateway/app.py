@@ -1,10 +1,10 @@
 """The gateway's aiohttp application: routes, OpenAI-style errors for every failure, and serving.
 
-    GET  /                      the web page (static/index.html, talks to /ws)
-    GET  /ws                    WebSocket: generate, attach, coverage (ws.py)
-    GET  /v1/models             POST /v1/completions   POST /v1/chat/completions   (openai_api.py)
-    GET  /metrics               Prometheus (own registry)
-    GET  /healthz               NATS connected, tracker answering
+GET  /                      the web page (static/index.html, talks to /ws)
+GET  /ws                    WebSocket: generate, attach, coverage (ws.py)
+GET  /v1/models             POST /v1/completions   POST /v1/chat/completions   (openai_api.py)
+GET  /metrics               Prometheus (own registry)
+GET  /healthz               NATS connected, tracker answering
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ async def errors(request: web.Request, handler) -> web.StreamResponse:
         resp = ApiError(exc.status, exc.text or exc.reason, type=kind, code=code).response()
     except Exception as exc:  # a bug: say so, keep serving
         log.exception("gateway: %s %s failed", request.method, request.path)
-        resp = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error").response()
+        resp = ApiError(
+            500, f"internal error: {type(exc).__name__}: {exc}", type="server_error", code="internal_error"
+        ).response()
     if resp.status >= 400:
         metrics.errors.labels(endpoint, str(resp.status)).inc()
     return resp
@@ -81,7 +83,9 @@ def create_app(client: NeuronClient, limits: Limits = Limits(), chunk_size: int 
     return app
 
 
-async def serve(nats_url: str, host: str, port: int, limits: Limits = Limits(), chunk_size: int = 128, on_ready=None) -> None:
+async def serve(
+    nats_url: str, host: str, port: int, limits: Limits = Limits(), chunk_size: int = 128, on_ready=None
+) -> None:
     """Connect to the bus, serve HTTP until SIGINT/SIGTERM, then stop cleanly."""
     client = await NeuronClient.connect(nats_url)
     runner = web.AppRunner(create_app(client, limits, chunk_size), access_log=None)

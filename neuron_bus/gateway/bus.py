@@ -69,15 +69,19 @@ class Tally:
 
 def routable(report: M.CoverageReport) -> list[str]:
     """Presets with at least one live replica on every layer: the tracker can route them now."""
-    return sorted({m.model_preset for m in report.models if m.layers and all(l.replicas for l in m.layers)})
+    return sorted({m.model_preset for m in report.models if m.layers and all(row.replicas for row in m.layers)})
 
 
 # Route failures that mean "not now" (the swarm is full, or a part of it is not reachable yet) and
 # when to try again; a client should retry them (HTTP 503). Any other failure is a fault of a
 # node upstream (502).
 RETRY_AFTER_S = {
-    "no_free_slot": 2, "no_route": 5, "no_tracker": 5, "bus_unreachable": 5,
-    "node_unreachable": 5, "node_lost": 5,  # a dead node: the tracker stops routing to it within seconds
+    "no_free_slot": 2,
+    "no_route": 5,
+    "no_tracker": 5,
+    "bus_unreachable": 5,
+    "node_unreachable": 5,
+    "node_lost": 5,  # a dead node: the tracker stops routing to it within seconds
 }
 
 
@@ -94,8 +98,14 @@ def route_api_error(exc: RouteError, session_id: str | None = None) -> ApiError:
 def route_error_body(exc: RouteError, session_id: str | None = None) -> dict:
     """The final error of a failed generation, for every channel: reason, phase, node."""
     return {
-        "message": str(exc), "type": "route_error", "param": None, "code": exc.reason,
-        "reason": exc.reason, "phase": exc.phase, "node_id": exc.node_id, "session_id": session_id,
+        "message": str(exc),
+        "type": "route_error",
+        "param": None,
+        "code": exc.reason,
+        "reason": exc.reason,
+        "phase": exc.phase,
+        "node_id": exc.node_id,
+        "session_id": session_id,
     }
 
 
@@ -124,7 +134,12 @@ class Bus:
             tracker_ok = True
         except ApiError:
             models, tracker_ok = [], False
-        return {"status": "ok" if nats_ok and tracker_ok else "degraded", "nats": nats_ok, "tracker": tracker_ok, "models": models}
+        return {
+            "status": "ok" if nats_ok and tracker_ok else "degraded",
+            "nats": nats_ok,
+            "tracker": tracker_ok,
+            "models": models,
+        }
 
     # ------------------------------------------------------------------ generation
 
@@ -135,10 +150,20 @@ class Bus:
         model = req.model or (ready[0] if ready else None)
         if model not in ready:
             if model is not None and model not in {m.model_preset for m in report.models}:
-                raise ApiError(404, f"the model '{model}' does not exist on this swarm; models: {', '.join(ready) or 'none'}",
-                               param="model", code="model_not_found")
-            raise ApiError(503, f"the model '{model}' has no complete route right now (layers without a live node)",
-                           type="service_unavailable", param="model", code="no_route", retry_after=RETRY_AFTER_S["no_route"])
+                raise ApiError(
+                    404,
+                    f"the model '{model}' does not exist on this swarm; models: {', '.join(ready) or 'none'}",
+                    param="model",
+                    code="model_not_found",
+                )
+            raise ApiError(
+                503,
+                f"the model '{model}' has no complete route right now (layers without a live node)",
+                type="service_unavailable",
+                param="model",
+                code="no_route",
+                retry_after=RETRY_AFTER_S["no_route"],
+            )
         req.model = model
         try:
             route = await self.client.route(model, policy=req.policy)
@@ -152,8 +177,10 @@ class Bus:
             raise ApiError(422, "the prompt has no tokens", param="prompt", code="empty_prompt")
         if len(tokens) + req.sampling.max_tokens > self.limits.max_context:
             raise ApiError(
-                413, f"the prompt has {len(tokens)} tokens and max_tokens is {req.sampling.max_tokens}: more than this "
-                f"gateway's context of {self.limits.max_context} tokens", param="messages" if req.messages else "prompt",
+                413,
+                f"the prompt has {len(tokens)} tokens and max_tokens is {req.sampling.max_tokens}: more than this "
+                f"gateway's context of {self.limits.max_context} tokens",
+                param="messages" if req.messages else "prompt",
                 code="context_length_exceeded",
             )
         return Prepared(req, route, tokens)
@@ -163,8 +190,12 @@ class Bus:
         self.metrics.active.inc()
         self.metrics.tokens.labels("prompt").inc(len(p.prompt_tokens))
         gen = self.client.generate(
-            prompt_tokens=p.prompt_tokens, route=p.route, sampling=p.req.sampling, model_preset=p.req.model,
-            chunk_size=self.chunk_size, policy=p.req.policy,
+            prompt_tokens=p.prompt_tokens,
+            route=p.route,
+            sampling=p.req.sampling,
+            model_preset=p.req.model,
+            chunk_size=self.chunk_size,
+            policy=p.req.policy,
         )
         try:
             async with aclosing(gen):
@@ -188,7 +219,9 @@ class Bus:
         try:
             await js.get_last_msg(S.STREAM_TELEMETRY, S.telemetry(session_id))
         except NotFoundError:
-            raise ApiError(404, f"no session {session_id} on the bus", param="session_id", code="unknown_session") from None
+            raise ApiError(
+                404, f"no session {session_id} on the bus", param="session_id", code="unknown_session"
+            ) from None
         events: asyncio.Queue = asyncio.Queue()
 
         def into(kind: str):
@@ -198,19 +231,27 @@ class Bus:
             return cb
 
         subs = [
-            await js.subscribe(S.telemetry(session_id), cb=into("telemetry"), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST),
-            await js.subscribe(S.session_tokens(session_id), cb=into("token"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL),
-            await js.subscribe(S.session_error(session_id), cb=into("error"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL),
+            await js.subscribe(
+                S.telemetry(session_id), cb=into("telemetry"), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
+            ),
+            await js.subscribe(
+                S.session_tokens(session_id), cb=into("token"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+            ),
+            await js.subscribe(
+                S.session_error(session_id), cb=into("error"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
+            ),
         ]
         last_phase, timeout = "queued", STALL_TIMEOUT_S
         try:
             while True:
                 try:
                     kind, data = await asyncio.wait_for(events.get(), timeout)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if timeout == ATTACH_GRACE_S:
                         return  # done, and the final token is no longer on the bus
-                    raise RouteError("stalled", f"session {session_id}: no progress for {timeout:.0f}s", phase=last_phase) from None
+                    raise RouteError(
+                        "stalled", f"session {session_id}: no progress for {timeout:.0f}s", phase=last_phase
+                    ) from None
                 if kind == "error":
                     err = M.decode(data, M.SessionError)
                     if err.fatal:

@@ -15,12 +15,16 @@ class GatewayMetrics:
             "neuron_gateway_requests", "HTTP and WebSocket requests by endpoint.", ["endpoint"], registry=self.registry
         )
         self.errors = Counter(
-            "neuron_gateway_errors", "Requests answered with an error, by endpoint and status (or route failure reason).",
-            ["endpoint", "status"], registry=self.registry,
+            "neuron_gateway_errors",
+            "Requests answered with an error, by endpoint and status (or route failure reason).",
+            ["endpoint", "status"],
+            registry=self.registry,
         )
         self.active = Gauge("neuron_gateway_active_generations", "Generations running now.", registry=self.registry)
         self.tokens = Counter(
-            "neuron_gateway_tokens", "Tokens: prompt (sent into routes) and completion (streamed back).", ["kind"],
+            "neuron_gateway_tokens",
+            "Tokens: prompt (sent into routes) and completion (streamed back).",
+            ["kind"],
             registry=self.registry,
         )
 

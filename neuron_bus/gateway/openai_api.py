@@ -58,7 +58,7 @@ async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     return web.json_response(shape.whole(tally))
 
 
-async def _stream(request: web.Request, bus: Bus, prepared: Prepared, shape: "Shape") -> web.StreamResponse:
+async def _stream(request: web.Request, bus: Bus, prepared: Prepared, shape: Shape) -> web.StreamResponse:
     async with aclosing(bus.stream(prepared)) as events:  # a client that hangs up closes the session
         try:  # the first event comes once every hop holds the session: until then, errors are HTTP errors
             opened = await anext(events, None)
@@ -74,7 +74,7 @@ async def _stream(request: web.Request, bus: Bus, prepared: Prepared, shape: "Sh
     return resp
 
 
-async def _relay(resp: web.StreamResponse, prepared: Prepared, shape: "Shape", opened, events) -> None:
+async def _relay(resp: web.StreamResponse, prepared: Prepared, shape: Shape, opened, events) -> None:
     """Write the session's events as SSE chunks, ``opened`` first; a route failure is the last chunk."""
 
     async def send(obj) -> None:
@@ -115,7 +115,10 @@ class Shape:
         obj = {"chat": "chat.completion", "chunk": "chat.completion.chunk"}[kind] if self.chat else "text_completion"
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         return {
-            "id": prefix + self.session_id, "object": obj, "created": self.created, "model": self.req.model,
+            "id": prefix + self.session_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.req.model,
             "system_fingerprint": self.route.model_revision,
         }
 
@@ -131,11 +134,19 @@ class Shape:
         self.session_id = tally.session_id
         logprobs = self.logprobs(tally.deltas)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": tally.text}, "logprobs": logprobs,
-                      "finish_reason": tally.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": tally.text},
+                "logprobs": logprobs,
+                "finish_reason": tally.finish_reason,
+            }
         else:
             choice = {"index": 0, "text": tally.text, "logprobs": logprobs, "finish_reason": tally.finish_reason}
-        route = {"route_id": self.route.route_id, "nodes": [h.node_id for h in self.route.hops], "session_id": tally.session_id}
+        route = {
+            "route_id": self.route.route_id,
+            "nodes": [h.node_id for h in self.route.hops],
+            "session_id": tally.session_id,
+        }
         return {**self.head("chat"), "choices": [choice], "usage": tally.usage(), "neuron_route": route}
 
     def logprobs(self, deltas: list[M.TokenDelta]) -> dict | None:
@@ -143,18 +154,28 @@ class Shape:
             return None
         n = self.req.top_logprobs
         if self.chat:
-            return {"content": [
-                {"token": d.text, "logprob": d.logprob, "bytes": list(d.text.encode()), "top_logprobs": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in _top(d, n)
-                ]} for d in deltas
-            ]}
+            return {
+                "content": [
+                    {
+                        "token": d.text,
+                        "logprob": d.logprob,
+                        "bytes": list(d.text.encode()),
+                        "top_logprobs": [
+                            {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in _top(d, n)
+                        ],
+                    }
+                    for d in deltas
+                ]
+            }
         offsets, at = [], 0
         for d in deltas:
             offsets.append(at)
             at += len(d.text)
         return {
-            "tokens": [d.text for d in deltas], "token_logprobs": [d.logprob for d in deltas],
-            "top_logprobs": [dict(_top(d, n)) for d in deltas], "text_offset": offsets,
+            "tokens": [d.text for d in deltas],
+            "token_logprobs": [d.logprob for d in deltas],
+            "top_logprobs": [dict(_top(d, n)) for d in deltas],
+            "text_offset": offsets,
         }
 
 

@@ -20,8 +20,15 @@ TOP_LOGPROBS_MAX = 5  # alternatives the route's tail reports per token
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None, retry_after: int | None = None, **extra,
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+        **extra,
     ):
         super().__init__(message)
         self.status = status
@@ -33,7 +40,9 @@ class ApiError(Exception):
         self.extra = extra
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}}
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code, **self.extra}
+        }
 
     def response(self) -> web.Response:
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
@@ -78,7 +87,14 @@ def parse_json(raw: bytes) -> dict:
 
 
 _MISSING = object()
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array", dict: "an object"}
+_TYPE_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    list: "an array",
+    dict: "an object",
+}
 
 
 def get(body: dict, name: str, kind: type, default=_MISSING, lo=None, hi=None):
@@ -104,7 +120,9 @@ def _stop(body: dict) -> list[str]:
         return []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
-        raise ApiError(422, "'stop' must be a string or an array of at most 4 strings", param="stop", code="invalid_type")
+        raise ApiError(
+            422, "'stop' must be a string or an array of at most 4 strings", param="stop", code="invalid_type"
+        )
     return stop
 
 
@@ -127,8 +145,11 @@ def sampling(body: dict, limits: Limits, default_max_tokens: int, logprobs: bool
 def _check_chars(text: str, limits: Limits, param: str) -> str:
     if len(text) > limits.max_prompt_chars:
         raise ApiError(
-            413, f"the prompt has {len(text)} characters; this gateway accepts at most {limits.max_prompt_chars} "
-            f"(a context of {limits.max_context} tokens)", param=param, code="context_length_exceeded",
+            413,
+            f"the prompt has {len(text)} characters; this gateway accepts at most {limits.max_prompt_chars} "
+            f"(a context of {limits.max_context} tokens)",
+            param=param,
+            code="context_length_exceeded",
         )
     return text
 
@@ -144,29 +165,54 @@ def _prompt(body: dict, limits: Limits) -> tuple[str | None, list[int] | None]:
         if not prompt:
             raise ApiError(422, "'prompt' is empty", param="prompt", code="empty_prompt")
         return _check_chars(prompt, limits, "prompt"), None
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+    ):
         return None, list(prompt)
-    raise ApiError(422, "'prompt' must be a string or an array of token ids (one prompt per request)", param="prompt", code="invalid_type")
+    raise ApiError(
+        422,
+        "'prompt' must be a string or an array of token ids (one prompt per request)",
+        param="prompt",
+        code="invalid_type",
+    )
 
 
 def _content(content, i: int) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise ApiError(422, f"messages[{i}].content must be a string or an array of text parts", param=f"messages[{i}].content", code="invalid_type")
+    raise ApiError(
+        422,
+        f"messages[{i}].content must be a string or an array of text parts",
+        param=f"messages[{i}].content",
+        code="invalid_type",
+    )
 
 
 def _messages(body: dict, limits: Limits) -> list[dict[str, str]]:
     messages = get(body, "messages", list)
     if not messages:
-        raise ApiError(400, "'messages' must hold at least one message", param="messages", code="missing_required_parameter")
+        raise ApiError(
+            400, "'messages' must hold at least one message", param="messages", code="missing_required_parameter"
+        )
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(422, f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]", code="invalid_type")
+            raise ApiError(
+                422, f"messages[{i}] must be an object with a 'role'", param=f"messages[{i}]", code="invalid_type"
+            )
         if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
-            raise ApiError(422, f"messages[{i}].role {m['role']!r} is not a known role", param=f"messages[{i}].role", code="invalid_value")
+            raise ApiError(
+                422,
+                f"messages[{i}].role {m['role']!r} is not a known role",
+                param=f"messages[{i}].role",
+                code="invalid_value",
+            )
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": _content(m.get("content") or "", i)})
     _check_chars("".join(m["content"] for m in out), limits, "messages")
@@ -179,9 +225,13 @@ def completion_request(body: dict, limits: Limits) -> GenRequest:
     prompt, tokens = _prompt(body, limits)
     n_top = get(body, "logprobs", int, None, 0, TOP_LOGPROBS_MAX)
     return GenRequest(
-        model=model, prompt=prompt, prompt_tokens=tokens,
+        model=model,
+        prompt=prompt,
+        prompt_tokens=tokens,
         sampling=sampling(body, limits, 16, logprobs=n_top is not None),
-        stream=get(body, "stream", bool, False), include_usage=_include_usage(body), top_logprobs=n_top or 0,
+        stream=get(body, "stream", bool, False),
+        include_usage=_include_usage(body),
+        top_logprobs=n_top or 0,
         policy=_policy(body),
     )
 
@@ -193,8 +243,12 @@ def chat_request(body: dict, limits: Limits) -> GenRequest:
     logprobs = get(body, "logprobs", bool, False)
     n_top = get(body, "top_logprobs", int, 0, 0, TOP_LOGPROBS_MAX)
     return GenRequest(
-        model=model, messages=messages, sampling=sampling(body, limits, 256, logprobs=logprobs or n_top > 0),
-        stream=get(body, "stream", bool, False), include_usage=_include_usage(body), top_logprobs=n_top,
+        model=model,
+        messages=messages,
+        sampling=sampling(body, limits, 256, logprobs=logprobs or n_top > 0),
+        stream=get(body, "stream", bool, False),
+        include_usage=_include_usage(body),
+        top_logprobs=n_top,
         policy=_policy(body),
     )
 
@@ -208,8 +262,12 @@ def ws_request(body: dict, limits: Limits) -> GenRequest:
         messages, (prompt, tokens) = None, _prompt(body, limits)
     logprobs = get(body, "logprobs", bool, False)
     return GenRequest(
-        model=model, prompt=prompt, messages=messages, prompt_tokens=tokens,
-        sampling=sampling(body, limits, 256, logprobs=logprobs), top_logprobs=TOP_LOGPROBS_MAX if logprobs else 0,
+        model=model,
+        prompt=prompt,
+        messages=messages,
+        prompt_tokens=tokens,
+        sampling=sampling(body, limits, 256, logprobs=logprobs),
+        top_logprobs=TOP_LOGPROBS_MAX if logprobs else 0,
         policy=_policy(body),
     )
 
@@ -217,8 +275,12 @@ def ws_request(body: dict, limits: Limits) -> GenRequest:
 def _policy(body: dict) -> str:
     policy = get(body, "policy", str, "public")
     if policy not in ("public", "private", "paid-trusted"):
-        raise ApiError(400, f"policy must be public, private or paid-trusted, got {policy!r}", param="policy",
-                       code="invalid_policy")
+        raise ApiError(
+            400,
+            f"policy must be public, private or paid-trusted, got {policy!r}",
+            param="policy",
+            code="invalid_policy",
+        )
     return policy
 
 

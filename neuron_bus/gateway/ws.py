@@ -25,7 +25,7 @@ from aiohttp import WSMsgType, web
 
 from neuron_bus import messages as M
 from neuron_bus.client import RouteError
-from neuron_bus.gateway.bus import Bus, Tally, route_error_body, routable
+from neuron_bus.gateway.bus import Bus, Tally, routable, route_error_body
 from neuron_bus.gateway.openai_api import BUS
 from neuron_bus.gateway.validation import ApiError, ws_request
 
@@ -66,7 +66,9 @@ class Socket:
                     run = self.generate(data) if kind == "generate" else self.attach(data)
                     task = asyncio.create_task(self.guard(run, kind))
                 else:
-                    await self.error(ApiError(400, f"unknown message type {kind!r}", param="type", code="invalid_value"))
+                    await self.error(
+                        ApiError(400, f"unknown message type {kind!r}", param="type", code="invalid_value")
+                    )
         finally:
             if task and not task.done():
                 task.cancel()  # the client left: closing the generation closes its route session
@@ -106,11 +108,17 @@ class Socket:
             self.bus.metrics.errors.labels("/ws", "502").inc()
             await self.send(self._error_message(route_error_body(exc, tally.session_id), "generate", 502))
             return
-        await self.send({
-            "type": "done", "session_id": tally.session_id, "finish_reason": tally.finish_reason, "text": tally.text,
-            "usage": tally.usage(), "nodes": tally.telemetry.active_route_nodes if tally.telemetry else [],
-            "telemetry": msgspec.to_builtins(tally.telemetry) if tally.telemetry else None,
-        })
+        await self.send(
+            {
+                "type": "done",
+                "session_id": tally.session_id,
+                "finish_reason": tally.finish_reason,
+                "text": tally.text,
+                "usage": tally.usage(),
+                "nodes": tally.telemetry.active_route_nodes if tally.telemetry else [],
+                "telemetry": msgspec.to_builtins(tally.telemetry) if tally.telemetry else None,
+            }
+        )
 
     async def generate(self, data: dict) -> None:
         prepared = await self.bus.prepare(ws_request(data, self.bus.limits))
@@ -119,7 +127,9 @@ class Socket:
     async def attach(self, data: dict) -> None:
         session_id = data.get("session_id")
         if not isinstance(session_id, str):
-            raise ApiError(400, "missing required parameter 'session_id'", param="session_id", code="missing_required_parameter")
+            raise ApiError(
+                400, "missing required parameter 'session_id'", param="session_id", code="missing_required_parameter"
+            )
         tally = Tally(0, session_id=session_id)
         await self.follow(self.bus.attach(session_id), tally)
 

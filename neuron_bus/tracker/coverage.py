@@ -49,7 +49,9 @@ def model_coverage(numerics: Numerics, nodes: Sequence[NodeView], params: Tracke
     n = numerics.n_layers_total
     usable = [v for v in nodes if v.usable]
     slow = speed.slow_nodes(usable, params)
-    layer_rows = [layer_coverage(i, [v for v in usable if v.layer_start <= i < v.layer_end], slow, params) for i in range(n)]
+    layer_rows = [
+        layer_coverage(i, [v for v in usable if v.layer_start <= i < v.layer_end], slow, params) for i in range(n)
+    ]
     return ModelCoverage(
         model_preset=numerics.model_preset,
         model_revision=numerics.model_revision,

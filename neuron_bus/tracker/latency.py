@@ -18,9 +18,11 @@ async def ping(nc: nats.NATS, node_id: str, timeout: float = 1.0) -> float | Non
     """Seconds for a Ping to ``node_id`` and its Pong back, or None without a valid answer."""
     t0 = time.perf_counter()
     try:
-        msg = await nc.request(S.node_control(node_id), messages.encode(messages.Ping(sent_at=time.time())), timeout=timeout)
+        msg = await nc.request(
+            S.node_control(node_id), messages.encode(messages.Ping(sent_at=time.time())), timeout=timeout
+        )
         reply = messages.decode(msg.data, messages.ControlReply)
-    except (nats.errors.Error, asyncio.TimeoutError, MalformedMessage):
+    except (TimeoutError, nats.errors.Error, MalformedMessage):
         return None
     if not isinstance(reply, messages.Pong) or reply.node_id != node_id:
         return None

@@ -56,8 +56,10 @@ def _filters(req: RouteRequest) -> list[_Filter]:
         return [
             _Filter(
                 keep=lambda v: get(v) == want,
-                reason=lambda left: f"no live node of model {m} with {label} {want} "
-                f"(available: {', '.join(sorted({get(v) for v in left}))})",
+                reason=lambda left: (
+                    f"no live node of model {m} with {label} {want} "
+                    f"(available: {', '.join(sorted({get(v) for v in left}))})"
+                ),
             )
         ]
 
@@ -70,15 +72,18 @@ def _filters(req: RouteRequest) -> list[_Filter]:
         out.append(
             _Filter(
                 keep=lambda v: v.caps.trust_tier in TRUSTED_TIERS,
-                reason=lambda left: f"no live node of model {m} with trust tier trusted or paid-trusted "
-                f"(policy {req.policy})",
+                reason=lambda left: (
+                    f"no live node of model {m} with trust tier trusted or paid-trusted (policy {req.policy})"
+                ),
             )
         )
     out += [
         _Filter(
             keep=lambda v: not v.flagged,
-            reason=lambda left: f"every live node of model {m} left is flagged by audits "
-            f"({', '.join(v.node_id for v in left)}): replays of their routes disagreed with the reference",
+            reason=lambda left: (
+                f"every live node of model {m} left is flagged by audits "
+                f"({', '.join(v.node_id for v in left)}): replays of their routes disagreed with the reference"
+            ),
         ),
         _Filter(
             keep=lambda v: req.wire_dtype in v.caps.wire_dtypes,
@@ -86,8 +91,10 @@ def _filters(req: RouteRequest) -> list[_Filter]:
         ),
         _Filter(
             keep=lambda v: v.usable,
-            reason=lambda left: f"no live node of model {m} is ready to serve "
-            f"({', '.join(f'{v.node_id}: {_unusable(v)}' for v in left)})",
+            reason=lambda left: (
+                f"no live node of model {m} is ready to serve "
+                f"({', '.join(f'{v.node_id}: {_unusable(v)}' for v in left)})"
+            ),
         ),
     ]
     return out
@@ -103,7 +110,9 @@ def _unusable(v: NodeView) -> str:
     return f"status {v.status}"
 
 
-def plan_route(req: RouteRequest, views: Sequence[NodeView], params: TrackerParams = TrackerParams()) -> Plan | Rejection:
+def plan_route(
+    req: RouteRequest, views: Sequence[NodeView], params: TrackerParams = TrackerParams()
+) -> Plan | Rejection:
     """The cheapest complete route for ``req``, or every reason there is none."""
     m = req.model_preset
     model_nodes = [v for v in views if v.caps.model_preset == m]
@@ -151,7 +160,10 @@ def plan_group(
     )
     if gaps:
         return Rejection(
-            tuple(f"coverage gap at layers {layers.spell(a, b)}{qualifier}{_served_elsewhere(a, b, numerics, others)}" for a, b in gaps)
+            tuple(
+                f"coverage gap at layers {layers.spell(a, b)}{qualifier}{_served_elsewhere(a, b, numerics, others)}"
+                for a, b in gaps
+            )
         )
     reference = speed.reference_seconds_per_layer(nodes)
     slow = speed.slow_nodes(nodes, params)
@@ -174,12 +186,15 @@ def plan_group(
 
 
 def _served_elsewhere(a: int, b: int, numerics: Numerics, others: Sequence[NodeView]) -> str:
-    """"; layers a-b are served only by nodes that cannot share a route with this group: ..." or ""."""
-    serving = sorted((v for v in others if v.layer_start < b and a < v.layer_end), key=lambda v: (v.layer_start, v.node_id))
+    """ "; layers a-b are served only by nodes that cannot share a route with this group: ..." or ""."""
+    serving = sorted(
+        (v for v in others if v.layer_start < b and a < v.layer_end), key=lambda v: (v.layer_start, v.node_id)
+    )
     if not serving:
         return ""
     listed = ", ".join(
-        f"{v.node_id} (layers {layers.spell(v.layer_start, v.layer_end)}, {_difference(v.numerics, numerics)})" for v in serving
+        f"{v.node_id} (layers {layers.spell(v.layer_start, v.layer_end)}, {_difference(v.numerics, numerics)})"
+        for v in serving
     )
     return f"; layers {layers.spell(a, b)} are served only by nodes that cannot share a route with these: {listed}"
 

@@ -46,7 +46,9 @@ class Auditor:
         async for v in stored(self.js, S.STREAM_AUDIT, f"{S.ROOT}.audit.verdict.>", M.AuditVerdict):
             self.attribution.add(v)
         self.sub = await self.js.pull_subscribe(
-            S.AUDIT_REQUEST, durable=DURABLE, stream=S.STREAM_AUDIT,
+            S.AUDIT_REQUEST,
+            durable=DURABLE,
+            stream=S.STREAM_AUDIT,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=600.0),
         )
         self._task = asyncio.create_task(self._loop())
@@ -63,7 +65,7 @@ class Auditor:
         while True:
             try:
                 msgs = await self.sub.fetch(1, timeout=2.0)
-            except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except nats.errors.Error as exc:
                 log.warning("audit requests not readable: %s", exc)
@@ -88,8 +90,15 @@ class Auditor:
         if key not in self._backends:
             from workers.registry import open_backend  # llama.cpp only in the auditor process
 
-            self._backends[key] = open_backend("llama-cpp-full", path, threads=self.threads, n_ctx=REFERENCE_N_CTX,
-                                               max_sessions=1, flash_attn=flash, benchmark=False)
+            self._backends[key] = open_backend(
+                "llama-cpp-full",
+                path,
+                threads=self.threads,
+                n_ctx=REFERENCE_N_CTX,
+                max_sessions=1,
+                flash_attn=flash,
+                benchmark=False,
+            )
         return path, self._backends[key]
 
     async def handle(self, req: M.AuditRequest) -> M.AuditVerdict:
@@ -109,6 +118,11 @@ class Auditor:
         for node in changed:
             await self.kv.put(node, M.encode(self.attribution.nodes[node]))
         self.verdicts += 1
-        log.info("session %s: %s (%s)%s", event.session_id, verdict.verdict, verdict.detail,
-                 f"; pinned on {', '.join(verdict.attributed_to)}" if verdict.attributed_to else "")
+        log.info(
+            "session %s: %s (%s)%s",
+            event.session_id,
+            verdict.verdict,
+            verdict.detail,
+            f"; pinned on {', '.join(verdict.attributed_to)}" if verdict.attributed_to else "",
+        )
         return verdict

@@ -58,19 +58,39 @@ def _js_read(stream: str) -> list[str]:
 ROLES: dict[str, dict[str, list[str]]] = {
     "worker": {
         "publish": [
-            f"{R}.node.*.caps", f"{R}.node.*.heartbeat", f"{R}.node.*.ctl",
-            f"{R}.act.>", f"{R}.session.>", f"{R}.telemetry.>", f"{R}.validation.>", f"{R}.ledger.>",
-            JS_ALL, JS_ACK, "$KV.>", "$O.>", INBOX,
+            f"{R}.node.*.caps",
+            f"{R}.node.*.heartbeat",
+            f"{R}.node.*.ctl",
+            f"{R}.act.>",
+            f"{R}.session.>",
+            f"{R}.telemetry.>",
+            f"{R}.validation.>",
+            f"{R}.ledger.>",
+            JS_ALL,
+            JS_ACK,
+            "$KV.>",
+            "$O.>",
+            INBOX,
         ],
         "subscribe": [f"{R}.node.*.ctl", f"{R}.node.*.heartbeat", f"{R}.act.>", INBOX],
     },
     "tracker": {
         "publish": [
-            f"{R}.route.assign.>", f"{R}.node.*.ctl", S.AUDIT_REQUEST, JS_ALL, JS_ACK, "$KV.>", INBOX,
+            f"{R}.route.assign.>",
+            f"{R}.node.*.ctl",
+            S.AUDIT_REQUEST,
+            JS_ALL,
+            JS_ACK,
+            "$KV.>",
+            INBOX,
         ],
         "subscribe": [
-            f"{R}.node.*.caps", f"{R}.node.*.heartbeat", S.ROUTE_REQUEST, S.TRACKER_COVERAGE,
-            S.VALIDATION_ALL, INBOX,
+            f"{R}.node.*.caps",
+            f"{R}.node.*.heartbeat",
+            S.ROUTE_REQUEST,
+            S.TRACKER_COVERAGE,
+            S.VALIDATION_ALL,
+            INBOX,
         ],
     },
     "auditor": {
@@ -79,8 +99,15 @@ ROLES: dict[str, dict[str, list[str]]] = {
     },
     "client": {
         "publish": [
-            S.ROUTE_REQUEST, S.TRACKER_COVERAGE, f"{R}.node.*.ctl", f"{R}.act.*.0.prefill",
-            f"{R}.session.*.error", f"{R}.telemetry.>", "$JS.API.INFO", "$JS.API.STREAM.INFO.*", INBOX,
+            S.ROUTE_REQUEST,
+            S.TRACKER_COVERAGE,
+            f"{R}.node.*.ctl",
+            f"{R}.act.*.0.prefill",
+            f"{R}.session.*.error",
+            f"{R}.telemetry.>",
+            "$JS.API.INFO",
+            "$JS.API.STREAM.INFO.*",
+            INBOX,
         ],
         "subscribe": [f"{R}.session.>", f"{R}.telemetry.>", f"{R}.node.*.heartbeat", INBOX],
     },
@@ -120,7 +147,11 @@ def _list(items: list[str]) -> str:
 
 def render(passwords: dict[str, str]) -> str:
     """The nats-server ``authorization`` block for these role passwords."""
-    lines = ["# neuron-bus: one user per role (neuron-bus permissions); keep this file private", "authorization {", "  users = ["]
+    lines = [
+        "# neuron-bus: one user per role (neuron-bus permissions); keep this file private",
+        "authorization {",
+        "  users = [",
+    ]
     for role, password in passwords.items():
         perms = ROLES[role]
         lines += [
@@ -150,7 +181,11 @@ def role_url(url: str, role: str, password: str) -> str:
 
 def tls_block(cert: Path, key: Path, ca: Path | None = None) -> str:
     """A nats-server ``tls`` block serving ``cert``/``key`` (clients then connect with tls://)."""
-    lines = ["tls {", f"  cert_file: {json.dumps(str(Path(cert).resolve()))}", f"  key_file: {json.dumps(str(Path(key).resolve()))}"]
+    lines = [
+        "tls {",
+        f"  cert_file: {json.dumps(str(Path(cert).resolve()))}",
+        f"  key_file: {json.dumps(str(Path(key).resolve()))}",
+    ]
     if ca:
         lines.append(f"  ca_file: {json.dumps(str(Path(ca).resolve()))}")
     lines.append("}")

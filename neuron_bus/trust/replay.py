@@ -44,8 +44,14 @@ def tolerance(event: M.ValidationEvent) -> float:
 
 def make_verdict(event: M.ValidationEvent, reference: str, verdict: str, detail: str, **kw) -> M.AuditVerdict:
     return M.AuditVerdict(
-        session_id=event.session_id, event_id=event.event_id, verdict=verdict, reference=reference,
-        members=[m.node_id for m in event.route], detail=detail, ts=time.time(), **kw,
+        session_id=event.session_id,
+        event_id=event.event_id,
+        verdict=verdict,
+        reference=reference,
+        members=[m.node_id for m in event.route],
+        detail=detail,
+        ts=time.time(),
+        **kw,
     )
 
 
@@ -54,26 +60,45 @@ def _chunks(tokens: list[int], size: int):
         yield lo, np.asarray(tokens[lo : lo + size], dtype=np.int32)
 
 
-def replay_single(event: M.ValidationEvent, model_path: str | Path | None = None, threads: int = 1, backend=None) -> M.AuditVerdict:
+def replay_single(
+    event: M.ValidationEvent, model_path: str | Path | None = None, threads: int = 1, backend=None
+) -> M.AuditVerdict:
     """Replay on the whole model in this process; ``backend`` reuses an open llama-cpp-full backend."""
     tol = tolerance(event)
     if not event.output_tokens:
         return make_verdict(event, "single", "unverifiable", "the event has no output tokens", tolerance=tol)
     other = sorted({m.backend_id for m in event.route} - set(REPLAYABLE_BACKENDS))
     if other:
-        return make_verdict(event, "single", "unverifiable", f"backend {', '.join(other)} is not bit-comparable with llama.cpp: "
-                        "use --reference route", tolerance=tol)
+        return make_verdict(
+            event,
+            "single",
+            "unverifiable",
+            f"backend {', '.join(other)} is not bit-comparable with llama.cpp: use --reference route",
+            tolerance=tol,
+        )
     path = Path(model_path) if model_path else models.resolve(event.model_preset)
     if models.revision(path) != event.model_revision:
-        return make_verdict(event, "single", "unverifiable",
-                        f"reference {path.name} is revision {models.revision(path)}, the event ran {event.model_revision}", tolerance=tol)
+        return make_verdict(
+            event,
+            "single",
+            "unverifiable",
+            f"reference {path.name} is revision {models.revision(path)}, the event ran {event.model_revision}",
+            tolerance=tol,
+        )
     own = backend is None
     if own:
         from workers.registry import open_backend  # llama.cpp only when a replay runs
 
         flash = all("-fa0-" not in m.cache_abi for m in event.route)
-        backend = open_backend("llama-cpp-full", path, threads=threads, n_ctx=REFERENCE_N_CTX, max_sessions=1,
-                               flash_attn=flash, benchmark=False)
+        backend = open_backend(
+            "llama-cpp-full",
+            path,
+            threads=threads,
+            n_ctx=REFERENCE_N_CTX,
+            max_sessions=1,
+            flash_attn=flash,
+            benchmark=False,
+        )
     sid = f"replay-{event.session_id}"[:128]
     needed = len(event.prompt_tokens) + len(event.output_tokens)
     try:
@@ -100,14 +125,21 @@ def _compare(event: M.ValidationEvent, backend, sid: str, tol: float) -> M.Audit
         if params.temperature <= 0.0:
             gap = float(ref.max() - ref[token])
             if gap > tol and first is None:
-                first, why = i, f"token {i}: observed {token}, reference argmax {int(ref.argmax())} (logit gap {gap:.4g})"
+                first, why = (
+                    i,
+                    f"token {i}: observed {token}, reference argmax {int(ref.argmax())} (logit gap {gap:.4g})",
+                )
         else:
             pick = sample(ref.astype(np.float32), params, i).token_id
             if pick != token and first is None:
                 first, why = i, f"token {i}: observed {token}, the reference samples {pick} with the same seed"
         if i in samples:
             s = samples[i]
-            diff = float(np.abs(ref[np.asarray(s.token_ids, dtype=np.int64)] - np.asarray(s.logits)).max()) if s.token_ids else 0.0
+            diff = (
+                float(np.abs(ref[np.asarray(s.token_ids, dtype=np.int64)] - np.asarray(s.logits)).max())
+                if s.token_ids
+                else 0.0
+            )
             worst = max(worst, diff)
             if diff > tol and first is None:
                 first, why = i, f"token {i}: top logits differ from the reference by {diff:.4g} (tolerance {tol:g})"
@@ -116,9 +148,18 @@ def _compare(event: M.ValidationEvent, backend, sid: str, tol: float) -> M.Audit
             pos += 1
     n = len(event.output_tokens)
     if first is None:
-        return make_verdict(event, "single", "agree", f"{n} tokens match the single-process model (max logit diff {worst:.3g})",
-                        compared_tokens=n, max_logit_diff=worst, tolerance=tol)
-    return make_verdict(event, "single", "disagree", why, compared_tokens=n, first_divergence=first, max_logit_diff=worst, tolerance=tol)
+        return make_verdict(
+            event,
+            "single",
+            "agree",
+            f"{n} tokens match the single-process model (max logit diff {worst:.3g})",
+            compared_tokens=n,
+            max_logit_diff=worst,
+            tolerance=tol,
+        )
+    return make_verdict(
+        event, "single", "disagree", why, compared_tokens=n, first_divergence=first, max_logit_diff=worst, tolerance=tol
+    )
 
 
 async def replay_route(event: M.ValidationEvent, url: str) -> M.AuditVerdict:
@@ -127,9 +168,14 @@ async def replay_route(event: M.ValidationEvent, url: str) -> M.AuditVerdict:
 
     sampling = _with_max(event.sampling, len(event.output_tokens))
     async with await NeuronClient.connect(url) as client:
-        g = await client.complete(prompt_tokens=list(event.prompt_tokens), sampling=sampling,
-                                  model_preset=event.model_preset, wire_dtype=event.wire_dtype, encoding=event.encoding,
-                                  chunk_size=event.chunk_size)
+        g = await client.complete(
+            prompt_tokens=list(event.prompt_tokens),
+            sampling=sampling,
+            model_preset=event.model_preset,
+            wire_dtype=event.wire_dtype,
+            encoding=event.encoding,
+            chunk_size=event.chunk_size,
+        )
     n = min(len(g.tokens), len(event.output_tokens))
     first = next((i for i in range(n) if g.tokens[i] != event.output_tokens[i]), None)
     if first is None and len(g.tokens) != len(event.output_tokens):
@@ -137,7 +183,9 @@ async def replay_route(event: M.ValidationEvent, url: str) -> M.AuditVerdict:
     via = " -> ".join(h.node_id for h in g.route.hops)
     if first is None:
         return make_verdict(event, "route", "agree", f"{n} tokens match route {via}", compared_tokens=n)
-    return make_verdict(event, "route", "disagree", f"token {first} differs from route {via}", compared_tokens=n, first_divergence=first)
+    return make_verdict(
+        event, "route", "disagree", f"token {first} differs from route {via}", compared_tokens=n, first_divergence=first
+    )
 
 
 def _with_max(params: M.SamplingParams, n: int) -> M.SamplingParams:

@@ -75,7 +75,9 @@ class TrackerTrust:
         req = M.AuditRequest(session_id=event.session_id, event_id=event.event_id, requested_at=time.time())
         try:
             # every tracker samples the same sessions: the message id lets the stream keep one request
-            await publish(self.js, S.AUDIT_REQUEST, M.encode(req), {"Nats-Msg-Id": f"audit-{event.event_id}"}, max_wait=10.0)
+            await publish(
+                self.js, S.AUDIT_REQUEST, M.encode(req), {"Nats-Msg-Id": f"audit-{event.event_id}"}, max_wait=10.0
+            )
             log.info("session %s sampled for replay", event.session_id)
         except (NeuronBusError, nats.errors.Error, jserr.Error) as exc:
             log.warning("could not request a replay of %s: %s", event.session_id, exc)

@@ -15,7 +15,9 @@ from pathlib import Path
 from neuron_bus.artifacts.gguf_model import OUTPUT, TOKEN_EMBD, GGUFModel
 
 
-def owned_layer_work(model: GGUFModel | str | Path, layer_start: int, layer_end: int, n_layers: int | None = None) -> float:
+def owned_layer_work(
+    model: GGUFModel | str | Path, layer_start: int, layer_end: int, n_layers: int | None = None
+) -> float:
     """Millions of weights multiplied per token by layers [layer_start, layer_end).
 
     ``model`` may be the whole GGUF or a slice holding the range; ``n_layers`` is the model's

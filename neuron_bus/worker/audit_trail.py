@@ -70,17 +70,33 @@ class AuditTrail:
         route = open_.route
         prompt = list(open_.prompt or [])
         event = M.ValidationEvent(
-            event_id=uuid.uuid4().hex, session_id=open_.session_id, route_id=route.route_id,
-            model_preset=route.model_preset, model_revision=route.model_revision,
+            event_id=uuid.uuid4().hex,
+            session_id=open_.session_id,
+            route_id=route.route_id,
+            model_preset=route.model_preset,
+            model_revision=route.model_revision,
             route=[
-                M.RouteMember(node_id=h.node_id, layer_start=h.layer_start, layer_end=h.layer_end,
-                              backend_id=h.backend_id, cache_abi=h.cache_abi, trust_tier=h.trust_tier)
+                M.RouteMember(
+                    node_id=h.node_id,
+                    layer_start=h.layer_start,
+                    layer_end=h.layer_end,
+                    backend_id=h.backend_id,
+                    cache_abi=h.cache_abi,
+                    trust_tier=h.trust_tier,
+                )
                 for h in route.hops
             ],
-            prompt_sha256=prompt_sha256(prompt), prompt_tokens=prompt, output_tokens=list(generated),
-            sampling=open_.sampling, policy=route.policy, created_at=time.time(),
-            logit_samples=self._samples.pop(open_.session_id, []), wire_dtype=route.wire_dtype,
-            encoding=route.encoding, chunk_size=open_.chunk_size, finish_reason=finish,
+            prompt_sha256=prompt_sha256(prompt),
+            prompt_tokens=prompt,
+            output_tokens=list(generated),
+            sampling=open_.sampling,
+            policy=route.policy,
+            created_at=time.time(),
+            logit_samples=self._samples.pop(open_.session_id, []),
+            wire_dtype=route.wire_dtype,
+            encoding=route.encoding,
+            chunk_size=open_.chunk_size,
+            finish_reason=finish,
             tail_node_id=self.report.node_id,
         )
         await self._publish(S.validation(open_.session_id), event)
@@ -93,9 +109,16 @@ class AuditTrail:
             return
         hop = open_.route.hops[open_.hop_index]
         entry = M.LedgerEntry(
-            entry_id=uuid.uuid4().hex, node_id=self.report.node_id, kind="inference", ts=time.time(),
-            session_id=open_.session_id, layer_start=hop.layer_start, layer_end=hop.layer_end,
-            owned_layer_work=self.owned_layer_work, prefill_tokens=w["prefill"], decode_tokens=w["decode"],
+            entry_id=uuid.uuid4().hex,
+            node_id=self.report.node_id,
+            kind="inference",
+            ts=time.time(),
+            session_id=open_.session_id,
+            layer_start=hop.layer_start,
+            layer_end=hop.layer_end,
+            owned_layer_work=self.owned_layer_work,
+            prefill_tokens=w["prefill"],
+            decode_tokens=w["decode"],
             reward_weight=inference_weight(self.owned_layer_work, w["prefill"], w["decode"]),
         )
         await self._publish(S.ledger(self.report.node_id), entry)

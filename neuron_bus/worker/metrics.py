@@ -10,30 +10,45 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         labels = {"registry": self.registry}
         self.seam_bytes = Counter(
-            "neuron_seam_bytes_total", "Activation body bytes crossing this node's seams",
-            ["phase", "direction"], **labels,
+            "neuron_seam_bytes_total",
+            "Activation body bytes crossing this node's seams",
+            ["phase", "direction"],
+            **labels,
         )
         self.seam_messages = Counter(
-            "neuron_seam_messages_total", "Activation messages crossing this node's seams",
-            ["phase", "direction"], **labels,
+            "neuron_seam_messages_total",
+            "Activation messages crossing this node's seams",
+            ["phase", "direction"],
+            **labels,
         )
         self.sessions_active = Gauge("neuron_sessions_active", "Open route sessions on this node", **labels)
         self.cache_bytes = Gauge("neuron_cache_bytes", "KV cache bytes held for open sessions", **labels)
         self.rejected = Counter(
-            "neuron_rejected_messages_total", "Messages rejected before any model work", ["reason"], **labels,
+            "neuron_rejected_messages_total",
+            "Messages rejected before any model work",
+            ["reason"],
+            **labels,
         )
         self.backend_calls = Counter("neuron_backend_calls_total", "Backend forward calls", ["phase"], **labels)
         self.snapshots_written = Counter("neuron_snapshots_written_total", "KV snapshots written", **labels)
         self.snapshot_failures = Counter(
-            "neuron_snapshot_failures_total", "KV snapshot writes that failed or were skipped (decode went on)",
-            ["reason"], **labels,
+            "neuron_snapshot_failures_total",
+            "KV snapshot writes that failed or were skipped (decode went on)",
+            ["reason"],
+            **labels,
         )
         self.tokens = Counter("neuron_tokens_total", "Positions computed by this node", ["phase"], **labels)
         self.inline_calls = Counter(
-            "neuron_backend_inline_calls_total", "Backend calls quick enough to run on the event loop", ["phase"], **labels,
+            "neuron_backend_inline_calls_total",
+            "Backend calls quick enough to run on the event loop",
+            ["phase"],
+            **labels,
         )
         self.backend_seconds = Counter(
-            "neuron_backend_seconds_total", "Seconds the backend spent computing (its utilization)", ["phase"], **labels,
+            "neuron_backend_seconds_total",
+            "Seconds the backend spent computing (its utilization)",
+            ["phase"],
+            **labels,
         )
 
     def seam(self, phase: str, direction: str, nbytes: int) -> None:

@@ -201,7 +201,9 @@ class WorkerService:
         if hop.cache_abi != self.report.cache_abi:
             raise ValueError(f"cache ABI {hop.cache_abi} does not match this node's {self.report.cache_abi}")
         if req.prompt_tokens <= 0 or req.prompt_tokens + req.sampling.max_tokens > req.n_ctx:
-            raise ValueError(f"prompt of {req.prompt_tokens} tokens + {req.sampling.max_tokens} new ones exceeds n_ctx {req.n_ctx}")
+            raise ValueError(
+                f"prompt of {req.prompt_tokens} tokens + {req.sampling.max_tokens} new ones exceeds n_ctx {req.n_ctx}"
+            )
         if req.chunk_size <= 0:
             raise ValueError("chunk size must be positive")
         return hop
@@ -217,8 +219,13 @@ class WorkerService:
         await self._bind(route, req.hop_index)
         self._update_gauges()
         return M.SessionOpened(
-            session_id=req.session_id, route_id=route.route_id, node_id=self.node_id,
-            hop_index=req.hop_index, layer_start=hop.layer_start, layer_end=hop.layer_end, cache_bytes=cache_bytes,
+            session_id=req.session_id,
+            route_id=route.route_id,
+            node_id=self.node_id,
+            hop_index=req.hop_index,
+            layer_start=hop.layer_start,
+            layer_end=hop.layer_end,
+            cache_bytes=cache_bytes,
         )
 
     def _start_tail(self, s: HopSession) -> None:
@@ -235,7 +242,9 @@ class WorkerService:
         self._check_hop(o)
         old = self.sessions.get(o.session_id)
         if not 0 <= req.position < req.replay_end <= o.n_ctx:
-            raise ValueError(f"resume at {req.position} with replay up to {req.replay_end} does not fit n_ctx {o.n_ctx}")
+            raise ValueError(
+                f"resume at {req.position} with replay up to {req.replay_end} does not fit n_ctx {o.n_ctx}"
+            )
         snapshot = None
         if req.restore:
             if old is not None:
@@ -262,8 +271,12 @@ class WorkerService:
             await self._unbind(old.route.route_id)
         self._update_gauges()
         return M.SessionResumed(
-            session_id=o.session_id, route_id=o.route.route_id, node_id=self.node_id, hop_index=o.hop_index,
-            position=position, snapshot=snapshot,
+            session_id=o.session_id,
+            route_id=o.route.route_id,
+            node_id=self.node_id,
+            hop_index=o.hop_index,
+            position=position,
+            snapshot=snapshot,
         )
 
     async def _close(self, session_id: str, failed: bool = False) -> int:
@@ -284,16 +297,23 @@ class WorkerService:
         now = time.monotonic()
         infos = [
             M.SessionInfo(
-                session_id=s.session_id, route_id=s.route.route_id, hop_index=s.hop_index,
-                position=s.position, cache_bytes=self.backend.cache_bytes(s.session_id),
+                session_id=s.session_id,
+                route_id=s.route.route_id,
+                hop_index=s.hop_index,
+                position=s.position,
+                cache_bytes=self.backend.cache_bytes(s.session_id),
                 idle_seconds=round(now - s.last_used, 3),
             )
             for s in self.sessions
         ]
         return M.SessionsReport(
-            node_id=self.node_id, sessions=infos, cache_bytes_total=sum(i.cache_bytes for i in infos),
-            backend_forward_calls=self.backend.forward_calls, rejected=dict(self._rejected),
-            snapshots_written=self.snapshots.written, snapshot_failures=dict(self.snapshots.failures),
+            node_id=self.node_id,
+            sessions=infos,
+            cache_bytes_total=sum(i.cache_bytes for i in infos),
+            backend_forward_calls=self.backend.forward_calls,
+            rejected=dict(self._rejected),
+            snapshots_written=self.snapshots.written,
+            snapshot_failures=dict(self.snapshots.failures),
         )
 
     # ------------------------------------------------------------------ consumers
@@ -306,6 +326,7 @@ class WorkerService:
             ("decode", S.STREAM_DECODE, self.opts.decode_ack_pending, self._decode_q),
             ("prefill", S.STREAM_PREFILL, 1, self._prefill_q),
         ):
+
             async def enqueue(msg: Msg, queue=queue) -> None:
                 queue.append(msg)
                 self._work.set()
@@ -390,8 +411,13 @@ class WorkerService:
             return  # no usable session id: counted, nobody to tell
         s = self.sessions.get(sid)
         err = M.SessionError(
-            session_id=sid, route_id=(msg.headers or {}).get("route_id", ""), phase=s.phase if s else "failed",
-            code=reason, message=f"{self.node_id}: rejected message: {text}", node_id=self.node_id, fatal=False,
+            session_id=sid,
+            route_id=(msg.headers or {}).get("route_id", ""),
+            phase=s.phase if s else "failed",
+            code=reason,
+            message=f"{self.node_id}: rejected message: {text}",
+            node_id=self.node_id,
+            fatal=False,
         )
         self._background(self.nc.publish(subject, M.encode(err)))
 
@@ -423,7 +449,7 @@ class WorkerService:
                 for item in work:
                     await self._run([item], phase)
                 return
-            (m, (s, _, _)), = work
+            ((m, (s, _, _)),) = work
             if getattr(exc, "reason", None) == "bad_input":  # the backend refused it before any model work
                 self._reject(m, "bad_input", str(exc))
                 return
@@ -492,7 +518,9 @@ class WorkerService:
             t0 = time.monotonic()
             try:
                 outs = run()
-                return [faults.apply(self.opts.fault, out, self._fault_rng) for out in outs] if self.opts.fault else outs
+                return (
+                    [faults.apply(self.opts.fault, out, self._fault_rng) for out in outs] if self.opts.fault else outs
+                )
             finally:
                 took[0] = time.monotonic() - t0  # the call alone, without any hand-off
 
@@ -520,7 +548,10 @@ class WorkerService:
             nxt = s.header(s.hop_index + 1, header.position, header.phase, s.out_seq, s.route.wire_dtype)
             headers, body = codec.encode(nxt, out, max_body=self.opts.max_body)
             await publish(
-                self.js, S.hop_input(s.route.route_id, s.hop_index + 1, header.phase), body, headers,
+                self.js,
+                S.hop_input(s.route.route_id, s.hop_index + 1, header.phase),
+                body,
+                headers,
                 on_wait=lambda _n: self._still_current(s),
             )
             s.out_seq += 1
@@ -550,7 +581,7 @@ class WorkerService:
             for stop in params.stop:
                 cut = combined.find(stop, max(0, len(s.text) - len(stop)))
                 if stop and cut >= 0:
-                    finish, text = "stop", combined[:cut][len(s.text):]
+                    finish, text = "stop", combined[:cut][len(s.text) :]
                     break
             if finish is None and len(s.generated) >= params.max_tokens:
                 finish, text = "length", text + s.decoder.flush()
@@ -559,9 +590,14 @@ class WorkerService:
         if pick.top_logprobs is not None:
             top = {self.tokenizer.piece(t).decode("utf-8", "replace"): lp for t, lp in pick.top_logprobs.items()}
         delta = M.TokenDelta(
-            session_id=s.session_id, index=index, token_id=pick.token_id, text=text,
-            logprob=pick.logprob, top_logprobs=top,
-            finished=finish is not None, finish_reason=finish,
+            session_id=s.session_id,
+            index=index,
+            token_id=pick.token_id,
+            text=text,
+            logprob=pick.logprob,
+            top_logprobs=top,
+            finished=finish is not None,
+            finish_reason=finish,
         )
         token = publish(self.js, S.session_tokens(s.session_id), M.encode(delta))
         if finish is None:  # the ring first (the next step is the critical path); both acks awaited together
@@ -584,8 +620,14 @@ class WorkerService:
     async def _fail(self, s: HopSession, code: str, message: str) -> None:
         """A fatal session error: tell the client, free this hop's cache."""
         err = M.SessionError(
-            session_id=s.session_id, route_id=s.route.route_id, phase=s.phase, code=code,
-            message=f"{self.node_id}: {message}", node_id=self.node_id, position=s.position, fatal=True,
+            session_id=s.session_id,
+            route_id=s.route.route_id,
+            phase=s.phase,
+            code=code,
+            message=f"{self.node_id}: {message}",
+            node_id=self.node_id,
+            position=s.position,
+            fatal=True,
         )
         await self.nc.publish(S.session_error(s.session_id), M.encode(err))
         if s.progress:
@@ -613,8 +655,12 @@ class WorkerService:
     async def _heartbeat(self) -> None:
         self._hb_seq += 1
         hb = M.NodeHeartbeat(
-            node_id=self.node_id, seq=self._hb_seq, ts=time.time(),
-            layer_start=self.report.layer_start, layer_end=self.report.layer_end, cache_abi=self.report.cache_abi,
+            node_id=self.node_id,
+            seq=self._hb_seq,
+            ts=time.time(),
+            layer_start=self.report.layer_start,
+            layer_end=self.report.layer_end,
+            cache_abi=self.report.cache_abi,
             sessions_active=len(self.sessions),
             cache_bytes=int(self.metrics.value("neuron_cache_bytes")),
             queue_depth=len(self._decode_q) + len(self._prefill_q),
@@ -647,4 +693,6 @@ class WorkerService:
             now = time.monotonic()
             for s in list(self.sessions):
                 if now - s.last_used > self.opts.idle_timeout:
-                    await self._fail(s, "idle_timeout", f"session idle for more than {self.opts.idle_timeout:.0f}s; cache freed")
+                    await self._fail(
+                        s, "idle_timeout", f"session idle for more than {self.opts.idle_timeout:.0f}s; cache freed"
+                    )

@@ -121,7 +121,9 @@ class SessionTable:
             ("cache_abi", hop.cache_abi),
         ):
             if getattr(h, name) != want:
-                raise SessionMismatch("wrong_key", f"session {h.session_id}: {name} is {want!r}, message says {getattr(h, name)!r}")
+                raise SessionMismatch(
+                    "wrong_key", f"session {h.session_id}: {name} is {want!r}, message says {getattr(h, name)!r}"
+                )
         if (h.layer_start, h.layer_end) != (hop.layer_start, hop.layer_end):
             raise SessionMismatch(
                 "wrong_layers",
@@ -131,7 +133,9 @@ class SessionTable:
         if h.phase != s.phase:
             raise SessionMismatch("wrong_phase", f"session {h.session_id} is in {s.phase}, message is {h.phase}")
         if h.seq < s.seq:
-            raise SessionMismatch("replayed", f"session {h.session_id}: seq {h.seq} was already processed (next is {s.seq})")
+            raise SessionMismatch(
+                "replayed", f"session {h.session_id}: seq {h.seq} was already processed (next is {s.seq})"
+            )
         if h.seq > s.seq:
             raise SessionMismatch("out_of_order", f"session {h.session_id}: seq {h.seq} arrived before {s.seq}")
         if h.position != s.position:
@@ -141,7 +145,12 @@ class SessionTable:
         if h.phase == "decode" and n != 1:
             raise SessionMismatch("wrong_phase", f"session {h.session_id}: a decode step carries one position, got {n}")
         if h.phase == "prefill" and not 0 < n <= s.open.chunk_size:
-            raise SessionMismatch("wrong_phase", f"session {h.session_id}: prefill chunk of {n} positions (chunk size {s.open.chunk_size})")
+            raise SessionMismatch(
+                "wrong_phase",
+                f"session {h.session_id}: prefill chunk of {n} positions (chunk size {s.open.chunk_size})",
+            )
         if h.phase == "prefill" and h.position + n > s.prefill_end:
-            raise SessionMismatch("overrun", f"session {h.session_id}: prefill chunk runs past position {s.prefill_end}")
+            raise SessionMismatch(
+                "overrun", f"session {h.session_id}: prefill chunk runs past position {s.prefill_end}"
+            )
         return s

@@ -118,11 +118,20 @@ class SnapshotStore:
         """Upload ``blob`` (the session's exported cache at ``s.position``) in the background."""
         hop = s.hop
         meta = M.SnapshotMeta(
-            generation_id=uuid.uuid4().hex, session_id=s.session_id, route_id=s.route.route_id,
-            node_id=self.report.node_id, model_preset=s.route.model_preset, model_revision=self.report.model_revision,
-            backend_id=self.report.backend_id, cache_abi=self.report.cache_abi,
-            layer_start=hop.layer_start, layer_end=hop.layer_end, position=s.position, n_ctx=s.open.n_ctx,
-            nbytes=len(blob), created_at=time.time(),
+            generation_id=uuid.uuid4().hex,
+            session_id=s.session_id,
+            route_id=s.route.route_id,
+            node_id=self.report.node_id,
+            model_preset=s.route.model_preset,
+            model_revision=self.report.model_revision,
+            backend_id=self.report.backend_id,
+            cache_abi=self.report.cache_abi,
+            layer_start=hop.layer_start,
+            layer_end=hop.layer_end,
+            position=s.position,
+            n_ctx=s.open.n_ctx,
+            nbytes=len(blob),
+            created_at=time.time(),
         )
         task = asyncio.create_task(self._upload(meta, blob))
         self._inflight[s.session_id] = task
@@ -137,7 +146,7 @@ class SnapshotStore:
             )
         except asyncio.CancelledError:
             raise
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.failed("timeout")
             return
         except Exception as exc:
@@ -179,7 +188,7 @@ class SnapshotStore:
         [min_position, max_position], with its blob; NeuronBusError("no_snapshot") otherwise."""
         try:
             await asyncio.wait_for(self._ready.wait(), UPLOAD_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise NeuronBusError("no_snapshot", f"snapshot store {self.url or 'on the bus'} is unavailable") from None
         r = self.report
         prefix = object_prefix(session_id, r.layer_start, r.layer_end)
@@ -199,8 +208,11 @@ class SnapshotStore:
             mismatch = [
                 f"{k} {getattr(meta, k)!r} (this node: {want!r})"
                 for k, want in (
-                    ("model_revision", r.model_revision), ("backend_id", r.backend_id), ("cache_abi", r.cache_abi),
-                    ("layer_start", r.layer_start), ("layer_end", r.layer_end),
+                    ("model_revision", r.model_revision),
+                    ("backend_id", r.backend_id),
+                    ("cache_abi", r.cache_abi),
+                    ("layer_start", r.layer_start),
+                    ("layer_end", r.layer_end),
                 )
                 if getattr(meta, k) != want
             ]
@@ -218,5 +230,7 @@ class SnapshotStore:
         _, name, meta = max(found, key=lambda f: f[0])
         result = await asyncio.wait_for(self._store.get(name), UPLOAD_TIMEOUT_S)
         if len(result.data) != meta.nbytes:
-            raise NeuronBusError("no_snapshot", f"snapshot {name} holds {len(result.data)} bytes, its metadata says {meta.nbytes}")
+            raise NeuronBusError(
+                "no_snapshot", f"snapshot {name} holds {len(result.data)} bytes, its metadata says {meta.nbytes}"
+            )
         return meta, result.data

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 from nats.aio.msg import Msg
 
@@ -70,7 +70,7 @@ class DecodeWaves:
             self.arrived.clear()
             try:
                 await asyncio.wait_for(self.arrived.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         for m in picked:
             self.queue.remove(m)
