@@ -149,8 +149,3 @@ def decode(
     if header.dtype == "bf16":
         array = bf16_to_f32(array)
     return header, array
-
-
-def body_bytes(dtype: str, shape: list[int]) -> int:
-    """Raw body size for a tensor (before compression)."""
-    return math.prod(shape) * DTYPES[dtype].itemsize

@@ -17,9 +17,11 @@ from typing import Literal
 
 import msgspec
 
+from workers.protocol import Capability as BackendCapability  # the backends' own report: workers/ owns that interface
+
 SCHEMA_VERSION = 1
 
-Phase = Literal["queued", "loading", "prefill", "decode", "finalizing", "done", "failed"]
+Phase = Literal["queued", "loading", "prefill", "decode", "done", "failed"]
 ActivationPhase = Literal["prefill", "decode"]
 WireDtype = Literal["f32", "bf16", "i32"]
 Encoding = Literal["raw", "zstd"]
@@ -33,23 +35,6 @@ class Struct(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 
 # --------------------------------------------------------------------------------------------
 # Nodes
-
-
-class BackendCapability(Struct):
-    """What an execution backend reports about itself (seed challenge 7); throughputs are
-    measured by a short self-benchmark when the backend starts."""
-
-    model_arch: str
-    supported_runtime: str
-    supports_prefill: bool
-    supports_decode_step: bool
-    supports_layer_range: bool
-    supports_partial_artifacts: bool
-    cache_abi: str
-    cache_bytes_per_token_estimate: int
-    prefill_tokens_per_second: float = 0.0
-    decode_tokens_per_second: float = 0.0
-    active_memory_floor: int = 0
 
 
 class CapabilityReport(BackendCapability, kw_only=True):
@@ -397,7 +382,6 @@ class ValidationEvent(Struct):
     output_tokens: list[int]
     sampling: SamplingParams
     policy: RoutePolicy = "public"
-    output_logits_sample: list[float] = []
     created_at: float = 0.0
     logit_samples: list[LogitSample] = []  # the first few generated tokens' top logits
     wire_dtype: WireDtype = "f32"

@@ -16,12 +16,7 @@ from collections.abc import Callable
 
 from neuron_bus.artifacts.cuts import layer_kinds, loadable
 from neuron_bus.artifacts.gguf_model import GGUFModel
-from neuron_bus.trust.work import owned_layer_work
-
-
-def layer_work(model: GGUFModel) -> list[float]:
-    """Work per token of each layer (millions of weights); the last layer carries the output head."""
-    return [owned_layer_work(model, i, i + 1, model.n_layers) for i in range(model.n_layers)]
+from neuron_bus.artifacts.work import layer_work
 
 
 def model_split(model: GGUFModel, shards: int) -> list[tuple[int, int]]:

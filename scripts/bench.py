@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from neuron_bus import messages as M  # noqa: E402
 from neuron_bus import models  # noqa: E402
 from neuron_bus.client import NeuronClient  # noqa: E402
+from neuron_bus.execution import open_reference, open_tokenizer  # noqa: E402
 from neuron_bus.local_swarm import LocalSwarm  # noqa: E402
 from neuron_bus.natsserver import free_port  # noqa: E402
 from scripts import jetstream_floor  # noqa: E402
@@ -52,10 +53,8 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 def bench_single(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], n_decode: int) -> dict:
     """llama.cpp, whole model, one process."""
-    from workers.llama_cpp_full import LlamaCppFullBackend
-
     longest = max(ids_by_size)
-    backend = LlamaCppFullBackend(model_path, n_threads=threads, n_ctx=longest + n_decode + 8, max_sessions=1)
+    backend = open_reference(model_path, threads=threads, n_ctx=longest + n_decode + 8, max_sessions=1)
     out: dict = {"prefill_tok_s": {}, "ttft_s": {}}
     try:
         for n, ids in ids_by_size.items():
@@ -95,13 +94,11 @@ def paired_decode(model_path: Path, threads: int, ids: list[int], n_decode: int,
     One session's route decode drifts with the machine's state more than the single process
     does; pairs measured seconds apart give a ratio that drift cannot skew.
     """
-    from workers.llama_cpp_full import LlamaCppFullBackend
-
     async def route_rate(url: str) -> float:
         async with await NeuronClient.connect(url) as client:
             return decode_rate(await generation(client, await client.route(), ids, n_decode))
 
-    backend = LlamaCppFullBackend(model_path, n_threads=threads, n_ctx=len(ids) + n_decode + 8, max_sessions=1)
+    backend = open_reference(model_path, threads=threads, n_ctx=len(ids) + n_decode + 8, max_sessions=1)
     try:
         with LocalSwarm(model_path, 2, threads=threads, workdir=workdir / "paired") as swarm:
             asyncio.run(route_rate(swarm.url))  # warm-up
@@ -277,10 +274,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="threads per process (the same for every contender)")
     args = ap.parse_args()
 
-    from workers.tokenizer import Tokenizer
-
     model_path = models.resolve(args.model)
-    tok = Tokenizer(model_path)
+    tok = open_tokenizer(model_path)
     sizes = PREFILL_SIZES
     ids_by_size = {n: prompt_ids(tok, n) for n in sizes}
     n_decode = 48 if args.quick else 128

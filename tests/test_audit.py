@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from neuron_bus.cli.audit import audit_model
+from neuron_bus.model_audit import audit_model
 
 CLI = Path(sys.executable).parent / "neuron-bus"
 

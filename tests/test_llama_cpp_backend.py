@@ -12,6 +12,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
+from neuron_bus.execution import open_range, open_reference
 from workers.errors import BadInput, PositionGap, SessionExists, UnknownSession, UnsupportedModel
 from workers.llama_cpp_common import LlamaCppError, NoFreeSlot
 from workers.llama_cpp_full import LlamaCppFullBackend
@@ -35,6 +36,11 @@ def tiny_gguf(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", TinyLlama(quant="F32"))
 
 
+def ranged(path, start=None, end=None, *, cache_dir=None, n_threads=1, **opts):
+    """A llama.cpp range backend the way the bus opens one (neuron_bus.execution cuts the slice)."""
+    return open_range("llama-cpp", path, start, end, threads=n_threads, cache_dir=cache_dir, **opts)
+
+
 def prompt_ids(full: LlamaCppFullBackend, n: int) -> np.ndarray:
     ids = full.tokenize(PROMPT)
     assert len(ids) >= n
@@ -46,7 +52,7 @@ def prompt_ids(full: LlamaCppFullBackend, n: int) -> np.ndarray:
 
 def _serve(conn, kind: str, path: str, start, end, cache_dir: str) -> None:
     """Child process: one backend, driven over a pipe."""
-    backend = open_backend(
+    backend = open_range(
         kind, path, start, end, threads=1, n_ctx=N_CTX, max_sessions=1, benchmark=False, cache_dir=cache_dir
     )
     conn.send(("ready", backend.layer_start, backend.layer_end))
@@ -160,7 +166,7 @@ def test_smollm2_split_2_and_3_ways_in_processes_is_bit_identical(smollm2_path, 
 
 
 def test_boundary_node_is_last_l_out_and_returning_false_stops_the_graph(tiny_gguf, tmp_path):
-    head = LlamaCppRangeBackend(tiny_gguf, 0, 2, cache_dir=tmp_path, **OPTS)
+    head = ranged(tiny_gguf, 0, 2, cache_dir=tmp_path, **OPTS)
     head.model.tap.trace = []
     head.open_session("a", N_CTX)
     hidden = head.prefill("a", 0, np.arange(3, 11, dtype=np.int32))
@@ -181,10 +187,10 @@ def test_boundary_node_is_last_l_out_and_returning_false_stops_the_graph(tiny_gg
 
 def test_tiny_split_matches_whole_model_for_any_prefill_chunking(tiny_gguf, tmp_path):
     full = LlamaCppFullBackend(tiny_gguf, **OPTS)
-    head = LlamaCppRangeBackend(tiny_gguf, 0, 1, cache_dir=tmp_path, **OPTS)
+    head = ranged(tiny_gguf, 0, 1, cache_dir=tmp_path, **OPTS)
     # chunks longer than n_batch run as several llama_decode calls (the tap collects each)
-    mid = LlamaCppRangeBackend(tiny_gguf, 1, 3, cache_dir=tmp_path, **{**OPTS, "n_batch": 4})
-    tail = LlamaCppRangeBackend(tiny_gguf, 3, 4, cache_dir=tmp_path, **OPTS)
+    mid = ranged(tiny_gguf, 1, 3, cache_dir=tmp_path, **{**OPTS, "n_batch": 4})
+    tail = ranged(tiny_gguf, 3, 4, cache_dir=tmp_path, **OPTS)
     ids = np.array([1] + [int(i) for i in np.random.default_rng(1).integers(3, 300, 19)], dtype=np.int32)
     for b in (full, head, mid, tail):
         b.open_session("s", N_CTX)
@@ -227,8 +233,8 @@ def test_gemma3_full_model_generates(gemma3_path):
 @pytest.fixture(scope="module")
 def smol_split(smollm2_path, tmp_path_factory):
     cache = tmp_path_factory.mktemp("slices")
-    head = LlamaCppRangeBackend(smollm2_path, 0, 15, cache_dir=cache, **OPTS)
-    tail = LlamaCppRangeBackend(smollm2_path, 15, 30, cache_dir=cache, **OPTS)
+    head = ranged(smollm2_path, 0, 15, cache_dir=cache, **OPTS)
+    tail = ranged(smollm2_path, 15, 30, cache_dir=cache, **OPTS)
     yield head, tail
     head.close()
     tail.close()
@@ -310,7 +316,7 @@ def test_export_import_round_trip(smol_split, smollm2_path, tmp_path):
     head.close_session("x")
     tail.close_session("x")
     # Import into other backends (other processes would do the same) under another session id.
-    head2 = LlamaCppRangeBackend(smollm2_path, 0, 15, cache_dir=tmp_path, **OPTS)
+    head2 = ranged(smollm2_path, 0, 15, cache_dir=tmp_path, **OPTS)
     head2.open_session("other", N_CTX)  # takes slot 0, so the import lands in another sequence
     head2.import_state("y", N_CTX, n + 1, blobs[0])
     tail.import_state("y", N_CTX, n + 1, blobs[1])
@@ -331,8 +337,8 @@ def test_export_import_round_trip(smol_split, smollm2_path, tmp_path):
 
 
 def test_bad_input_raises_typed_errors_and_leaves_other_sessions_intact(tiny_gguf, tmp_path):
-    head = LlamaCppRangeBackend(tiny_gguf, 0, 2, cache_dir=tmp_path, **OPTS)
-    tail = LlamaCppRangeBackend(tiny_gguf, 2, 4, cache_dir=tmp_path, **OPTS)
+    head = ranged(tiny_gguf, 0, 2, cache_dir=tmp_path, **OPTS)
+    tail = ranged(tiny_gguf, 2, 4, cache_dir=tmp_path, **OPTS)
     ids = np.arange(3, 15, dtype=np.int32)
     ref = _solo(head, tail, ids, [7, 8])
 
@@ -413,7 +419,7 @@ def test_batch_rank_is_the_slot_so_waves_can_be_runs_of_neighbours(tiny_gguf):
 
 
 def test_capability_and_cache_abi(tiny_gguf, tmp_path):
-    b = LlamaCppRangeBackend(tiny_gguf, 1, 3, cache_dir=tmp_path, n_ctx=N_CTX, max_sessions=2)
+    b = ranged(tiny_gguf, 1, 3, cache_dir=tmp_path, n_ctx=N_CTX, max_sessions=2)
     cap = b.capability
     assert cap.model_arch == "llama" and cap.supported_runtime == "llama.cpp"
     assert cap.supports_layer_range and cap.supports_partial_artifacts
@@ -425,21 +431,21 @@ def test_capability_and_cache_abi(tiny_gguf, tmp_path):
     assert cap.active_memory_floor > 2 * N_CTX * cap.cache_bytes_per_token_estimate
     assert (b.layer_start, b.layer_end, b.n_layers) == (1, 3, 4) and not b.is_head and not b.is_tail
     b.close()
-    nofa = LlamaCppRangeBackend(tiny_gguf, 1, 3, cache_dir=tmp_path, flash_attn=False, **OPTS)
+    nofa = ranged(tiny_gguf, 1, 3, cache_dir=tmp_path, flash_attn=False, **OPTS)
     assert "-fa0-" in nofa.cache_abi and nofa.capability.prefill_tokens_per_second == 0.0
     nofa.close()
 
 
 def test_slice_path_is_loaded_with_its_own_range(tiny_gguf, tmp_path):
-    a = LlamaCppRangeBackend(tiny_gguf, 2, 4, cache_dir=tmp_path, **OPTS)
-    again = LlamaCppRangeBackend(a.file, **OPTS)  # the cached slice file itself
+    a = ranged(tiny_gguf, 2, 4, cache_dir=tmp_path, **OPTS)
+    again = ranged(a.file, **OPTS)  # the cached slice file itself
     assert (again.layer_start, again.layer_end, again.n_layers) == (2, 4, 4) and again.is_tail
     with pytest.raises(BadInput, match="slice"):
-        LlamaCppRangeBackend(a.file, 0, 2, **OPTS)
+        ranged(a.file, 0, 2, **OPTS)
     with pytest.raises(UnsupportedModel, match="slice"):
-        LlamaCppFullBackend(a.file, **OPTS)
+        open_reference(a.file, **OPTS)
     with pytest.raises(BadInput, match="outside"):
-        LlamaCppRangeBackend(tiny_gguf, 2, 9, cache_dir=tmp_path, **OPTS)
+        ranged(tiny_gguf, 2, 9, cache_dir=tmp_path, **OPTS)
     with pytest.raises(UnsupportedModel):
         LlamaCppRangeBackend(tmp_path / "missing.gguf", **OPTS)
     a.close()
@@ -447,7 +453,7 @@ def test_slice_path_is_loaded_with_its_own_range(tiny_gguf, tmp_path):
 
 
 def test_registry_opens_each_kind(tiny_gguf, tmp_path):
-    b = open_backend("llama-cpp", tiny_gguf, 0, 2, threads=1, cache_dir=tmp_path, benchmark=False)
+    b = open_range("llama-cpp", tiny_gguf, 0, 2, threads=1, cache_dir=tmp_path, benchmark=False)
     assert isinstance(b, LlamaCppRangeBackend) and b.backend_id == "llama-cpp" and not b.is_tail
     b.close()
     f = open_backend("llama-cpp-full", tiny_gguf, threads=1, benchmark=False)

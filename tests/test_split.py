@@ -109,10 +109,10 @@ def test_slicing_refuses_a_range_llama_cpp_cannot_load(gemma3_path, tmp_path):
 
 LOAD_RANGES = """
 import sys, numpy as np
-from workers.llama_cpp_range import LlamaCppRangeBackend
+from neuron_bus.execution import open_range
 for spec in sys.argv[2:]:
     a, b = map(int, spec.split(":"))
-    be = LlamaCppRangeBackend(sys.argv[1], a, b, n_threads=1, n_ctx=64, max_sessions=1, benchmark=False)
+    be = open_range("llama-cpp", sys.argv[1], a, b, n_ctx=64, max_sessions=1, benchmark=False)
     be.open_session("s", 16)
     x = np.array([1, 2, 3], dtype=np.int32) if a == 0 else np.zeros((3, be.hidden_size), dtype=np.float32)
     be.prefill("s", 0, x)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from workers.errors import UnsupportedModel
 from workers.llama_cpp_range import LlamaCppRangeBackend
 from workers.tokenizer import Tokenizer
 
@@ -19,10 +18,9 @@ class LlamaCppFullBackend(LlamaCppRangeBackend):
     backend_id = "llama-cpp-full"
 
     def __init__(self, model_path: str | Path, *, benchmark: bool = False, **opts):
+        """``model_path`` must be a whole model: a slice would run as one, silently (the bus's
+        `execution.open_reference` refuses slices before it gets here)."""
         super().__init__(model_path, None, None, benchmark=benchmark, **opts)
-        if not (self.is_head and self.is_tail):
-            self.close()
-            raise UnsupportedModel(f"{model_path} is a layer-range slice, not a whole model")
 
     # -- text (one tokenizer implementation for the whole project: workers.tokenizer) ----------
 

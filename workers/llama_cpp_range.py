@@ -10,14 +10,13 @@ can decode in one ``llama_decode``.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from pathlib import Path
 
 import numpy as np
 
-from workers.errors import BadInput, UnsupportedModel
+from workers.errors import BadInput
 from workers.llama_cpp_common import ContextConfig, LlamaCppModel, NoFreeSlot, Rows, read_metadata
 from workers.protocol import Backend, Capability
 
@@ -26,53 +25,17 @@ DEFAULT_SESSIONS = 4  # session slots per context
 DEFAULT_N_BATCH = 512  # rows per llama_decode (longer prefill chunks are run in pieces)
 
 
-def slice_cache_dir() -> Path:
-    from neuron_bus.models import cache_dir
-
-    return cache_dir() / "slices"
-
-
-def sliced(model_path: Path, layer_start: int, layer_end: int, cache_dir: Path | None = None) -> Path:
-    """A slice GGUF of [layer_start, layer_end) of ``model_path``, cut once into ``cache_dir``."""
-    from neuron_bus.artifacts.slicing import slice_gguf
-
-    model_path = Path(model_path)
-    st = model_path.stat()
-    key = hashlib.sha256(f"{model_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = Path(cache_dir or slice_cache_dir()) / f"{model_path.stem}.{layer_start}-{layer_end - 1}.{key}.gguf"
-    if not out.is_file():
-        slice_gguf(model_path, layer_start, layer_end, out)
-    return out
-
-
-def _resolve_range(path: Path, layer_start: int | None, layer_end: int | None, cache_dir: Path | None):
-    """-> (file to load, layer_start, layer_end, n_layers of the whole model)."""
-    from neuron_bus.artifacts.gguf_model import META_PREFIX
-
+def _file_layers(path: Path) -> int:
+    """How many blocks the GGUF at ``path`` holds (a vocab-only read: fast)."""
     arch = read_metadata(path, ["general.architecture"])["general.architecture"]
-    keys = [f"{arch}.block_count"] + [META_PREFIX + k for k in ("layer_start", "layer_end", "n_layers_total")]
-    meta = read_metadata(path, keys)
-    if meta[keys[1]] is not None:  # a slice: its range is fixed
-        start, end, n_layers = (int(meta[k]) for k in keys[1:])
-        if (layer_start, layer_end) not in ((None, None), (start, end)):
-            raise BadInput(f"{path} is the slice {start}-{end - 1}, not {layer_start}-{layer_end - 1}")
-        return path, start, end, n_layers
-    n_layers = int(meta[keys[0]])
-    start = 0 if layer_start is None else layer_start
-    end = n_layers if layer_end is None else layer_end
-    if not 0 <= start < end <= n_layers:
-        raise BadInput(f"layer range [{start}, {end}) is outside the model's {n_layers} layers")
-    if (start, end) == (0, n_layers):
-        return path, start, end, n_layers
-    return sliced(path, start, end, cache_dir), start, end, n_layers
+    return int(read_metadata(path, [f"{arch}.block_count"])[f"{arch}.block_count"])
 
 
 class LlamaCppRangeBackend(Backend):
-    """Layers [layer_start, layer_end) of a GGUF on llama.cpp.
+    """Layers [layer_start, layer_end) of a model of ``n_layers`` layers, on llama.cpp.
 
-    ``path`` is a slice GGUF (its range is read from its ``neuron_bus.*`` metadata) or a whole
-    model; with a whole model, ``layer_start``/``layer_end`` select the range, and the slice is
-    cut once into ``cache_dir``.
+    ``path`` holds exactly those layers: a slice GGUF of the range (the bus cuts and caches it,
+    neuron_bus/execution.py) or, for the whole range, the model itself (no range given).
     """
 
     backend_id = "llama-cpp"
@@ -83,18 +46,26 @@ class LlamaCppRangeBackend(Backend):
         layer_start: int | None = None,
         layer_end: int | None = None,
         *,
+        n_layers: int | None = None,
         n_threads: int = 1,
         n_ctx: int = DEFAULT_N_CTX,
         max_sessions: int = DEFAULT_SESSIONS,
         n_batch: int = DEFAULT_N_BATCH,
         flash_attn: bool = True,
         kv_type: str = "f16",
-        cache_dir: str | Path | None = None,
         benchmark: bool = True,
     ):
-        path = Path(path)
-        file, start, end, n_layers = _resolve_range(path, layer_start, layer_end, cache_dir and Path(cache_dir))
-        self.source_path = path
+        file = Path(path)
+        held = _file_layers(file)
+        if layer_start is None and layer_end is None:  # the whole model
+            layer_start, layer_end, n_layers = 0, held, held if n_layers is None else n_layers
+        if layer_start is None or layer_end is None or n_layers is None:
+            raise BadInput("a layer range needs its start, end and the model's n_layers")
+        start, end = layer_start, layer_end
+        if not 0 <= start < end <= n_layers:
+            raise BadInput(f"layer range [{start}, {end}) is outside the model's {n_layers} layers")
+        if end - start != held:
+            raise BadInput(f"{file} holds {held} layers, not layers {start}-{end - 1}: load a slice of that range")
         self.file = file
         self.config = ContextConfig(flash_attn=flash_attn, kv_type=kv_type)
         self.model = LlamaCppModel(
@@ -106,9 +77,6 @@ class LlamaCppRangeBackend(Backend):
             config=self.config,
             tap_output=end < n_layers,
         )
-        if self.model.n_layer != end - start:
-            self.model.close()
-            raise UnsupportedModel(f"{file} has {self.model.n_layer} layers, expected {end - start}")
         super().__init__(
             layer_start=start,
             layer_end=end,

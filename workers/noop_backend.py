@@ -8,6 +8,9 @@ hops moves exactly the bytes and messages a real route moves.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import gguf
 import numpy as np
 
 from workers.protocol import Backend, Capability
@@ -26,6 +29,20 @@ class NoopBackend(Backend):
         )
         self._logits = np.zeros(vocab_size, dtype=np.float32)
         self._logits[0] = 1.0
+
+    @classmethod
+    def for_model(cls, path: str | Path, layer_start: int | None, layer_end: int | None) -> NoopBackend:
+        """The shapes of the GGUF at ``path`` (a whole model), layers [layer_start, layer_end)."""
+        meta = gguf.GGUFReader(path).fields
+        arch = meta["general.architecture"].contents()
+        n_layers = int(meta[f"{arch}.block_count"].contents())
+        return cls(
+            layer_start=layer_start or 0,
+            layer_end=n_layers if layer_end is None else layer_end,
+            n_layers=n_layers,
+            hidden_size=int(meta[f"{arch}.embedding_length"].contents()),
+            vocab_size=len(meta["tokenizer.ggml.tokens"].contents()),
+        )
 
     @property
     def capability(self) -> Capability:

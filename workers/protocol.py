@@ -21,9 +21,9 @@ import abc
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
-from neuron_bus.messages import BackendCapability as Capability  # msgspec only: no bus code
 from workers.errors import (
     BadInput,
     PositionGap,
@@ -32,12 +32,29 @@ from workers.errors import (
 )
 
 
+class Capability(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
+    """What an execution backend reports about itself (seed challenge 7); throughputs are
+    measured by a short self-benchmark when the backend starts. The bus announces it as part of
+    a node's `CapabilityReport` (neuron_bus/messages.py), so it is a msgspec Struct."""
+
+    model_arch: str
+    supported_runtime: str
+    supports_prefill: bool
+    supports_decode_step: bool
+    supports_layer_range: bool
+    supports_partial_artifacts: bool
+    cache_abi: str
+    cache_bytes_per_token_estimate: int
+    prefill_tokens_per_second: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    active_memory_floor: int = 0
+
+
 @dataclass
 class SessionState:
     session_id: str
     n_ctx: int
     position: int = 0  # next position to be written
-    opened_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
 
 

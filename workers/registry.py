@@ -16,20 +16,24 @@ def open_backend(
     layer_start: int | None = None,
     layer_end: int | None = None,
     threads: int | None = 1,
+    n_layers: int | None = None,
     **opts,
 ) -> Backend:
-    """A backend of ``kind`` for layers [layer_start, layer_end) of ``model_path``.
+    """A backend of ``kind`` for layers [layer_start, layer_end) of a model of ``n_layers`` layers.
 
-    llama-cpp: ``model_path`` is a whole model (sliced into a cache dir) or a slice GGUF;
+    llama-cpp: ``model_path`` holds exactly the range (a slice, or the whole model with no range);
     llama-cpp-full: the whole model, the range must be empty or complete;
-    torch: layers loaded straight from the GGUF.
+    torch: the whole model's GGUF, layers read by index;
+    noop: no model work, shapes read from the GGUF.
     ``opts`` go to the backend's constructor (n_ctx, max_sessions, flash_attn, dtype, ...);
     ``benchmark`` (run the short self-benchmark at construction) is understood by every kind.
     """
     if kind == "llama-cpp":
         from workers.llama_cpp_range import LlamaCppRangeBackend
 
-        return LlamaCppRangeBackend(model_path, layer_start, layer_end, n_threads=threads or 1, **opts)
+        return LlamaCppRangeBackend(
+            model_path, layer_start, layer_end, n_layers=n_layers, n_threads=threads or 1, **opts
+        )
     if kind == "llama-cpp-full":
         from workers.llama_cpp_full import LlamaCppFullBackend
 
@@ -44,22 +48,14 @@ def open_backend(
         if layer_start is None or layer_end is None:
             from workers.torch_model import ModelArgs, open_gguf
 
-            n_layers = ModelArgs.from_gguf(open_gguf(model_path)).n_layers
+            total = ModelArgs.from_gguf(open_gguf(model_path)).n_layers
             layer_start = 0 if layer_start is None else layer_start
-            layer_end = n_layers if layer_end is None else layer_end
+            layer_end = total if layer_end is None else layer_end
         if "benchmark" in opts:
             opts["selfbench"] = opts.pop("benchmark")
         return TorchBackend(model_path, layer_start, layer_end, threads=threads, **opts)
     if kind == "noop":  # the bus alone, for per-hop overhead benchmarks
-        from neuron_bus.artifacts.gguf_model import GGUFModel
         from workers.noop_backend import NoopBackend
 
-        m = GGUFModel(model_path)
-        return NoopBackend(
-            layer_start=layer_start or 0,
-            layer_end=m.n_layers if layer_end is None else layer_end,
-            n_layers=m.n_layers,
-            hidden_size=int(m.field(f"{m.arch}.embedding_length")),
-            vocab_size=len(m.field("tokenizer.ggml.tokens")),
-        )
+        return NoopBackend.for_model(model_path, layer_start, layer_end)
     raise BadInput(f"unknown backend kind {kind!r}: use one of {', '.join(KINDS)}")

@@ -8,6 +8,7 @@ so a failed write leaves nothing half-written.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -98,6 +99,18 @@ def slice_gguf(
         Path(tmp).unlink(missing_ok=True)
         raise
     return out_path
+
+
+def cached_slice(model_path: Path, start: int, end: int, cache_dir: Path) -> Path:
+    """The slice [start, end) of the whole model at ``model_path``, cut once into ``cache_dir``
+    (keyed by the model file's path, size and modification time)."""
+    model_path = Path(model_path)
+    st = model_path.stat()
+    key = hashlib.sha256(f"{model_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = Path(cache_dir) / f"{model_path.stem}.{format_layers(start, end)}.{key}.gguf"
+    if not out.is_file():
+        slice_gguf(model_path, start, end, out)
+    return out
 
 
 def slice_info(path: Path) -> dict | None:

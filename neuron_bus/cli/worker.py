@@ -132,8 +132,8 @@ def worker(
     if (model is None) == (artifact is None):
         fail("give exactly one of --model or --artifact")
     node_id = node_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+    from neuron_bus.artifacts.work import owned_layer_work
     from neuron_bus.trust import fault as faults
-    from neuron_bus.trust.work import owned_layer_work
 
     try:  # the cheap checks first: loading the model takes seconds
         fault = faults.check(fault)
@@ -156,17 +156,15 @@ def worker(
             kinds = [] if gguf.field(META_PREFIX + "layer_start") is not None else layer_kinds(gguf)  # a slice: unknown
             check_cut(kinds, start, end)
             preset, revision, artifact_id = models.preset_for(path), models.revision(path), ""
-        from workers.errors import BackendError
-        from workers.registry import open_backend  # execution lives in workers/
-        from workers.tokenizer import Tokenizer
+        from neuron_bus.execution import BackendError, open_range, open_tokenizer
 
         opts = (
             {"dtype": dtype}
             if backend == "torch"
             else {"n_ctx": n_ctx, "max_sessions": max_sessions, "flash_attn": flash_attn}
         )
-        be = open_backend(backend, path, start, end, threads=threads, **opts)
-        tok = Tokenizer(path)
+        be = open_range(backend, path, start, end, threads=threads, **opts)
+        tok = open_tokenizer(path)
         work = owned_layer_work(gguf or path, be.layer_start, be.layer_end, be.n_layers)
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))

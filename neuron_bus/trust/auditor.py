@@ -19,11 +19,13 @@ import nats
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from neuron_bus import messages as M
+from neuron_bus import models
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage, NeuronBusError
 from neuron_bus.flow import publish
 from neuron_bus.trust.attribution import DEFAULT_THRESHOLD, Attribution
 from neuron_bus.trust.events import stored, validation_event
+from neuron_bus.trust.replay import make_verdict, reference_backend, replay_single
 
 log = logging.getLogger("neuron_bus.auditor")
 
@@ -81,36 +83,19 @@ class Auditor:
                 await msg.ack()
 
     def _backend(self, event: M.ValidationEvent):
-        from neuron_bus import models
-        from neuron_bus.trust.replay import REFERENCE_N_CTX
 
         path = models.resolve(self.model or event.model_preset)
-        flash = all("-fa0-" not in m.cache_abi for m in event.route)
-        key = (str(path), flash)
-        if key not in self._backends:
-            from workers.registry import open_backend  # llama.cpp only in the auditor process
-
-            self._backends[key] = open_backend(
-                "llama-cpp-full",
-                path,
-                threads=self.threads,
-                n_ctx=REFERENCE_N_CTX,
-                max_sessions=1,
-                flash_attn=flash,
-                benchmark=False,
-            )
+        key = (str(path), all("-fa0-" not in m.cache_abi for m in event.route))
+        if key not in self._backends:  # one reference per model and flash-attention setting
+            self._backends[key] = reference_backend(event, path, self.threads)
         return path, self._backends[key]
 
     async def handle(self, req: M.AuditRequest) -> M.AuditVerdict:
-        from neuron_bus.trust.replay import replay_single
-
         event = await validation_event(self.js, req.session_id)
         try:
             path, backend = self._backend(event)
             verdict = await asyncio.to_thread(replay_single, event, Path(path), self.threads, backend)
         except (NeuronBusError, LookupError, OSError) as exc:
-            from neuron_bus.trust.replay import make_verdict
-
             verdict = make_verdict(event, "single", "unverifiable", f"no reference: {exc}")
         changed = self.attribution.add(verdict)
         verdict.attributed_to = self.attribution.pinned_on(event.session_id)

@@ -2,7 +2,7 @@
 
 Workers publish one `LedgerEntry` of kind ``inference`` per session they served, at session
 close, on ``neuron.ledger.<node>``: ``reward_weight = owned_layer_work × prefill_tokens +
-owned_layer_work × decode_tokens`` (work.py: millions of weights multiplied per token, output
+owned_layer_work × decode_tokens`` (artifacts/work.py: millions of weights multiplied per token, output
 head included at the tail; tokens are the positions the node actually computed).
 `neuron-bus artifact publish --node-id N` records kind ``seeding`` with the bytes it served:
 seeding is kept in its own column and never counts as inference reward.

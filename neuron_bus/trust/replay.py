@@ -87,18 +87,7 @@ def replay_single(
         )
     own = backend is None
     if own:
-        from workers.registry import open_backend  # llama.cpp only when a replay runs
-
-        flash = all("-fa0-" not in m.cache_abi for m in event.route)
-        backend = open_backend(
-            "llama-cpp-full",
-            path,
-            threads=threads,
-            n_ctx=REFERENCE_N_CTX,
-            max_sessions=1,
-            flash_attn=flash,
-            benchmark=False,
-        )
+        backend = reference_backend(event, path, threads)
     sid = f"replay-{event.session_id}"[:128]
     needed = len(event.prompt_tokens) + len(event.output_tokens)
     try:
@@ -110,6 +99,16 @@ def replay_single(
     finally:
         if own:
             backend.close()
+
+
+def reference_backend(event: M.ValidationEvent, path: Path, threads: int):
+    """The whole model on llama.cpp with the event's flash-attention setting (part of its cache ABI)."""
+    from neuron_bus.execution import open_reference
+
+    flash = all("-fa0-" not in m.cache_abi for m in event.route)
+    return open_reference(
+        path, threads=threads, n_ctx=REFERENCE_N_CTX, max_sessions=1, flash_attn=flash, benchmark=False
+    )
 
 
 def _compare(event: M.ValidationEvent, backend, sid: str, tol: float) -> M.AuditVerdict:

@@ -2,7 +2,7 @@
 
 - Every hop counts the positions it actually computed per session and phase (`worked`); when the
   session closes it publishes a `LedgerEntry` of kind ``inference`` on ``neuron.ledger.<node>``
-  with its owned layer work (trust/work.py) and ``reward_weight = owned_layer_work ×
+  with its owned layer work (artifacts/work.py) and ``reward_weight = owned_layer_work ×
   prefill_tokens + owned_layer_work × decode_tokens``.
 - The tail keeps the top logits of the first `LOGIT_SAMPLES` generated tokens (`observe`) and,
   when the generation finishes, publishes the session's `ValidationEvent` on

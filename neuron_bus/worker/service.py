@@ -63,7 +63,7 @@ class WorkerOptions:
     slow_ms: float = 0.0  # add this much delay per backend call (fault injection for tests)
     snapshot_every: int = 0  # write a KV snapshot whenever a decoding session crosses a multiple of this
     snapshot_url: str | None = None  # the cache server holding neuron-snapshots (None: the bus)
-    owned_layer_work: float = 0.0  # millions of weights multiplied per token (trust/work.py): the ledger's unit
+    owned_layer_work: float = 0.0  # millions of weights multiplied per token (artifacts/work.py): the ledger's unit
     fault: str | None = None  # fault injection for audit tests: "perturb" (trust/fault.py)
 
 

@@ -31,3 +31,8 @@ def owned_layer_work(
         if head is not None:
             weights += math.prod(head.shape)
     return weights / 1e6
+
+
+def layer_work(model: GGUFModel) -> list[float]:
+    """Work per token of each layer (millions of weights); the last layer carries the output head."""
+    return [owned_layer_work(model, i, i + 1, model.n_layers) for i in range(model.n_layers)]

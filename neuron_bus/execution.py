@@ -1,0 +1,77 @@
+"""The one door from the bus to the execution backends in workers/.
+
+workers/ owns the interface (workers/protocol.py: `Backend`, `Capability`; workers/errors.py: the
+backends' failures) and imports nothing from neuron_bus; the bus reaches the backends only
+through the functions here. They resolve what a backend needs from the bus's artifacts first:
+a whole-model path and a layer range become a slice cut once into the cache (llama.cpp loads
+exactly the layers it runs), a slice file states its own range, a reference must be a whole model.
+The backend modules, and llama.cpp or torch with them, are imported only when one is opened.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from neuron_bus import models
+from neuron_bus.artifacts.gguf_model import GGUFModel, format_layers
+from neuron_bus.artifacts.slicing import cached_slice, slice_info
+from workers.errors import BackendError, BadInput, UnsupportedModel
+from workers.protocol import Backend
+from workers.registry import open_backend  # light: each backend module loads only when opened
+
+__all__ = ["Backend", "BackendError", "open_range", "open_reference", "open_tokenizer", "slice_cache_dir"]
+
+
+def slice_cache_dir() -> Path:
+    return models.cache_dir() / "slices"
+
+
+def open_range(
+    kind: str,
+    path: str | Path,
+    layer_start: int | None = None,
+    layer_end: int | None = None,
+    *,
+    threads: int = 1,
+    cache_dir: str | Path | None = None,
+    **opts,
+) -> Backend:
+    """A backend of ``kind`` serving layers [layer_start, layer_end) of the model at ``path``.
+
+    ``path`` is a whole model (the range defaults to all of it) or a slice (its own range; asking
+    for another is refused). llama.cpp backends get a slice of the range, cut once into
+    ``cache_dir`` (default: the cache's ``slices/``).
+    """
+
+    path = Path(path)
+    info = slice_info(path)
+    if info is not None:
+        start, end, n_layers = info["layer_start"], info["layer_end"], info["n_layers_total"]
+        if (layer_start, layer_end) not in ((None, None), (start, end)):
+            raise BadInput(
+                f"{path} is the slice {info['range']}, not {format_layers(layer_start or 0, layer_end or 0)}"
+            )
+        return open_backend(kind, path, start, end, threads, n_layers=n_layers, **opts)
+    n_layers = GGUFModel(path).n_layers
+    start = 0 if layer_start is None else layer_start
+    end = n_layers if layer_end is None else layer_end
+    if not 0 <= start < end <= n_layers:
+        raise BadInput(f"layer range [{start}, {end}) is outside the model's {n_layers} layers")
+    if kind == "llama-cpp" and (start, end) != (0, n_layers):
+        path = cached_slice(path, start, end, Path(cache_dir) if cache_dir else slice_cache_dir())
+    return open_backend(kind, path, start, end, threads, n_layers=n_layers, **opts)
+
+
+def open_reference(path: str | Path, *, threads: int = 1, **opts) -> Backend:
+    """The whole model in one llama.cpp process: the reference that routes are compared with."""
+
+    if slice_info(Path(path)) is not None:
+        raise UnsupportedModel(f"{path} is a layer-range slice, not a whole model")
+    return open_backend("llama-cpp-full", path, threads=threads, **opts)
+
+
+def open_tokenizer(path: str | Path):
+    """The model's tokenizer (a vocab-only llama.cpp load of a whole model or a slice)."""
+    from workers.tokenizer import Tokenizer
+
+    return Tokenizer(path)
