@@ -1,8 +1,8 @@
 """The one door from the bus to the execution backends in workers/.
 
-workers/ owns the interface (workers/protocol.py: `Backend`, `Capability`; workers/errors.py: the
-backends' failures) and imports nothing from neuron_bus; the bus reaches the backends only
-through the functions here. They resolve what a backend needs from the bus's artifacts first:
+workers/ owns the interface (workers/protocol.py: `Backend`, `Capability`, `DEFAULT_N_CTX`;
+workers/errors.py: the backends' failures) and imports nothing from neuron_bus; the bus opens
+backends only through the functions here (the wire contract, messages.py, imports `Capability`). They resolve what a backend needs from the bus's artifacts first:
 a whole-model path and a layer range become a slice cut once into the cache (llama.cpp loads
 exactly the layers it runs), a slice file states its own range, a reference must be a whole model.
 The backend modules, and llama.cpp or torch with them, are imported only when one is opened.
@@ -16,10 +16,10 @@ from neuron_bus import models
 from neuron_bus.artifacts.gguf_model import GGUFModel, format_layers
 from neuron_bus.artifacts.slicing import cached_slice, slice_info
 from workers.errors import BackendError, BadInput, UnsupportedModel
-from workers.protocol import Backend
+from workers.protocol import DEFAULT_N_CTX, Backend
 from workers.registry import open_backend  # light: each backend module loads only when opened
 
-__all__ = ["Backend", "BackendError", "open_range", "open_reference", "open_tokenizer", "slice_cache_dir"]
+__all__ = ["DEFAULT_N_CTX", "Backend", "BackendError", "open_range", "open_reference", "open_tokenizer"]
 
 
 def slice_cache_dir() -> Path:

@@ -29,11 +29,11 @@ from neuron_bus.flow import publish
 from neuron_bus.repair import repair as repair_route
 from neuron_bus.routes import hop_header
 from neuron_bus.telemetry import GenerationProgress
+from neuron_bus.timing import AVOID_LOST_S, HEARTBEAT_LOSS_S
 
 STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route is considered dead
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
 MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
-AVOID_LOST_S = 8.0  # how long a new route must avoid the nodes that were lost (the tracker expires them)
 RETRYABLE = {
     "node_lost",
     "node_unreachable",
@@ -43,7 +43,6 @@ RETRYABLE = {
     "route_failed",
     "unknown_session",
 }
-HEARTBEAT_LOSS_S = 3.0  # a route node silent this long (workers heartbeat every second) is lost
 LIVENESS_CHECK_S = 0.5
 
 

@@ -13,6 +13,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from neuron_bus import messages as M
+from neuron_bus.worker.engine import Incoming
 from neuron_bus.worker.session_table import HopSession
 from neuron_bus.worker.waves import DecodeWaves
 from workers.llama_cpp_full import LlamaCppFullBackend
@@ -36,8 +37,9 @@ def decoding(session_id: str, hop_index: int, hops: int = 2) -> HopSession:
     return HopSession(open=open_, node_id=f"n{hop_index}", position=4)  # past its prompt: decoding
 
 
-def step(session_id: str) -> Msg:
-    return Msg(_client=None, subject="neuron.act.r.0.decode", headers={"session_id": session_id}, data=b"")
+def step(session_id: str) -> Incoming:
+    msg = Msg(_client=None, subject="neuron.act.r.0.decode", headers={"session_id": session_id}, data=b"")
+    return Incoming(msg, msg.headers, msg.data)  # what the consumer queues
 
 
 @pytest.fixture

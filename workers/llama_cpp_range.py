@@ -18,9 +18,8 @@ import numpy as np
 
 from workers.errors import BadInput
 from workers.llama_cpp_common import ContextConfig, LlamaCppModel, NoFreeSlot, Rows, read_metadata
-from workers.protocol import Backend, Capability
+from workers.protocol import DEFAULT_N_CTX, Backend, Capability
 
-DEFAULT_N_CTX = 2048  # positions per session slot
 DEFAULT_SESSIONS = 4  # session slots per context
 DEFAULT_N_BATCH = 512  # rows per llama_decode (longer prefill chunks are run in pieces)
 

@@ -31,6 +31,8 @@ from workers.errors import (
     UnknownSession,
 )
 
+DEFAULT_N_CTX = 4608  # positions per session, for every backend and the reference replays are compared with
+
 
 class Capability(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     """What an execution backend reports about itself (seed challenge 7); throughputs are

@@ -17,6 +17,7 @@ from neuron_bus import models
 from neuron_bus.artifacts.cuts import check_cut, layer_kinds
 from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFModel, parse_layers
 from neuron_bus.cli.app import NatsOption, app, fail
+from neuron_bus.execution import DEFAULT_N_CTX, BackendError, open_range, open_tokenizer
 from neuron_bus.topology import connect, ensure_topology
 
 
@@ -114,7 +115,7 @@ def worker(
     slow_ms: float = typer.Option(0.0, hidden=True, help="Fault injection: delay every backend call."),
     fault: str = typer.Option(None, hidden=True, help="Fault injection for audits: perturb (noise on every output)."),
     dtype: str = typer.Option("float32", help="torch backend compute dtype: float32 | bfloat16."),
-    n_ctx: int = typer.Option(4608, help="llama-cpp: positions per session (prompt + generated)."),
+    n_ctx: int = typer.Option(DEFAULT_N_CTX, help="llama-cpp: positions per session (prompt + generated)."),
     max_sessions: int = typer.Option(8, help="llama-cpp: concurrent sessions (KV slots) per worker."),
     flash_attn: bool = typer.Option(
         True, help="llama-cpp: flash attention (part of the cache ABI: every hop of a route must agree)."
@@ -156,8 +157,6 @@ def worker(
             kinds = [] if gguf.field(META_PREFIX + "layer_start") is not None else layer_kinds(gguf)  # a slice: unknown
             check_cut(kinds, start, end)
             preset, revision, artifact_id = models.preset_for(path), models.revision(path), ""
-        from neuron_bus.execution import BackendError, open_range, open_tokenizer
-
         opts = (
             {"dtype": dtype}
             if backend == "torch"

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from neuron_bus.timing import NODE_EXPIRY_S
+
 
 @dataclass(frozen=True)
 class TrackerParams:
     # A node whose last heartbeat is older than this many seconds is dead.
-    expiry: float = 5.0
+    expiry: float = NODE_EXPIRY_S
     # Dead nodes are dropped from the table (and the coverage map) after this long; a report never
     # followed by a heartbeat (e.g. read from KV after a restart) this long after it was read.
     forget_after: float = 600.0

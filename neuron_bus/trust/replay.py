@@ -25,6 +25,7 @@ import numpy as np
 
 from neuron_bus import messages as M
 from neuron_bus import models
+from neuron_bus.execution import DEFAULT_N_CTX
 from neuron_bus.sampling import sample
 
 # model preset -> wire dtype -> max |logit difference| accepted
@@ -33,7 +34,7 @@ TOLERANCES: dict[str, dict[str, float]] = {
     "gemma3-270m": {"f32": 1e-3, "bf16": 1.5},
 }
 DEFAULT_TOLERANCE = {"f32": 1e-2, "bf16": 1.5}
-REFERENCE_N_CTX = 4608  # workers' default llama.cpp context (same kernels' shapes as the route)
+REFERENCE_N_CTX = DEFAULT_N_CTX  # the workers' context: the same kernels' shapes as the route
 REPLAYABLE_BACKENDS = ("llama-cpp", "llama-cpp-full")
 
 

@@ -1,1 +1,18 @@
-"""The worker service: serves one backend's layer range on every route assigned to it."""
+"""The worker: serves one backend's layer range on every route assigned to it.
+
+An engine with no I/O, and a thin shell around it that does all of it (as vLLM splits its engine
+core from the process around it):
+- engine.py         admission (decode + check against the session table), compute, outcomes
+- session_table.py  what a hop knows of each session, and the state-key check
+- tail.py           the tail's decoder: sampling, stop strings, text, the generation's telemetry
+- waves.py          which queued decode steps run together as one backend call
+- service.py        the shell: lifecycle, the consumers' queues, the processing loop, reaping
+- consumers.py      the JetStream consumers bound per route
+- runner.py         where backend calls run (its thread, or inline) and what they cost
+- outbox.py         publishing outcomes, acknowledging inputs, rejections, fatal failures
+- lifecycle.py      open / resume / close a session (backend cache work, consumers, ledger)
+- control.py        the control requests, one handler each
+- heartbeat.py      the heartbeat and its measured telemetry (node_telemetry.py: disk, failures, pings)
+- snapshots.py      KV snapshots for route repair; audit_trail.py: ledger entries, validation events
+- metrics.py        Prometheus metrics
+"""

@@ -51,6 +51,12 @@ class WorkerMetrics:
             **labels,
         )
 
+        self.rejected_by_reason: dict[str, int] = {}  # the same counts, for `neuron-bus sessions`
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+        self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
+
     def seam(self, phase: str, direction: str, nbytes: int) -> None:
         self.seam_bytes.labels(phase, direction).inc(nbytes)
         self.seam_messages.labels(phase, direction).inc()

@@ -8,31 +8,28 @@ position_gap, out_of_order, overrun).
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
 from neuron_bus import messages as M
 from neuron_bus.errors import SessionMismatch
 from neuron_bus.routes import hop_header
-from neuron_bus.telemetry import GenerationProgress
+from neuron_bus.worker.tail import TailDecoder
 
 
 @dataclass
 class HopSession:
+    """What one hop knows of one session: where it is, and (at the tail) its decoder."""
+
     open: M.SessionOpen
     node_id: str
     position: int = 0  # next position this hop expects
     seq: int = 0  # next input sequence number
     out_seq: int = 0  # next sequence number this hop sends downstream
-    generated: list[int] = field(default_factory=list)  # tail only
-    text: str = ""  # tail only: generated text so far
-    decoder: object = None  # tail only: incremental text decoder
-    progress: GenerationProgress | None = None  # tail only
-    finished: bool = False
+    tail: TailDecoder | None = None  # the route's last hop only
+    finished: bool = False  # the tail sampled the last token
     last_used: float = field(default_factory=time.monotonic)
     replay_end: int = 0  # after a route repair: positions below it arrive again as prefill-like replay
-    ring_seq_base: int | None = None  # tail: seq of the ring step feeding token i is base + i
 
     @property
     def session_id(self) -> str:
@@ -59,10 +56,6 @@ class HopSession:
         return self.hop_index == len(self.route.hops) - 1
 
     @property
-    def n_prefill_chunks(self) -> int:
-        return math.ceil(self.open.prompt_tokens / self.open.chunk_size)
-
-    @property
     def prefill_end(self) -> int:
         """Positions below this arrive as prefill chunks: the prompt, and after a repair the replay."""
         return max(self.open.prompt_tokens, self.replay_end)
@@ -70,10 +63,6 @@ class HopSession:
     @property
     def phase(self) -> str:
         return "prefill" if self.position < self.prefill_end else "decode"
-
-    def ring_seq(self, index: int) -> int:
-        """Hop 0's input seq of the decode step that feeds generated token ``index``."""
-        return (self.n_prefill_chunks if self.ring_seq_base is None else self.ring_seq_base) + index
 
     def header(self, hop_index: int, position: int, phase: str, seq: int, dtype: str) -> M.ActivationHeader:
         """The state key for a message this session sends to ``hop_index``."""

@@ -29,6 +29,7 @@ from nats.js.api import ObjectMeta
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import NeuronBusError
+from neuron_bus.tasks import Background
 from neuron_bus.topology import connect, object_store
 
 log = logging.getLogger("neuron_bus.worker.snapshots")
@@ -50,10 +51,9 @@ def object_name(meta: M.SnapshotMeta) -> str:
 class SnapshotStore:
     """Writes and restores one worker's snapshots; ``every`` 0 writes none (restores still work)."""
 
-    def __init__(self, nc, report: M.CapabilityReport, metrics, *, every: int = 0, url: str | None = None):
+    def __init__(self, nc, report: M.CapabilityReport, metrics, *, url: str | None = None):
         self.report = report
         self.metrics = metrics
-        self.every = every
         self.url = url  # None: the bus connection ``nc``
         self._nc = None if url else nc
         self._store = None
@@ -61,7 +61,7 @@ class SnapshotStore:
         self._task: asyncio.Task | None = None
         self._inflight: dict[str, asyncio.Task] = {}
         self._kept: dict[str, deque[str]] = {}
-        self._background: set[asyncio.Task] = set()
+        self._background = Background()
         self.written = 0
         self.failures: dict[str, int] = {}
 
@@ -69,10 +69,11 @@ class SnapshotStore:
         self._task = asyncio.create_task(self._open(), name="snapshot-store")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._inflight.values(), *self._background) if t]
+        tasks = [t for t in (self._task, *self._inflight.values()) if t]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._background.cancel_all()
         if self.url and self._nc is not None:
             try:
                 await self._nc.close()
@@ -95,10 +96,6 @@ class SnapshotStore:
                 await asyncio.sleep(CONNECT_RETRY_S)
 
     # ------------------------------------------------------------------ writing
-
-    def due(self, before: int, after: int, prompt_tokens: int) -> bool:
-        """A session moved from ``before`` to ``after``: is a snapshot due?"""
-        return bool(self.every) and after >= prompt_tokens and before // self.every != after // self.every
 
     def failed(self, reason: str) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + 1
@@ -158,7 +155,7 @@ class SnapshotStore:
         kept = self._kept.setdefault(meta.session_id, deque())
         kept.append(name)
         while len(kept) > KEEP:
-            self._spawn(self._delete(kept.popleft()))
+            self._background.spawn(self._delete(kept.popleft()))
 
     def forget(self, session_id: str) -> None:
         """The session closed: delete its snapshots (in the background, softly)."""
@@ -166,12 +163,7 @@ class SnapshotStore:
         if task:
             task.cancel()
         for name in self._kept.pop(session_id, ()):
-            self._spawn(self._delete(name))
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+            self._background.spawn(self._delete(name))
 
     async def _delete(self, name: str) -> None:
         try:

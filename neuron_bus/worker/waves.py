@@ -19,17 +19,13 @@ import asyncio
 from collections import deque
 from collections.abc import Iterable
 
-from nats.aio.msg import Msg
+from neuron_bus.worker.engine import Incoming
 
 LATER_HOP_WAIT_MS = 1.0  # a wave's steps leave the previous hop together: a moment is enough
 
 
-def _session_of(msg: Msg) -> str | None:
-    return (msg.headers or {}).get("session_id")
-
-
 class DecodeWaves:
-    def __init__(self, queue: deque[Msg], arrived: asyncio.Event, max_batch: int, wait_ms: float):
+    def __init__(self, queue: deque[Incoming], arrived: asyncio.Event, max_batch: int, wait_ms: float):
         self.queue = queue  # decode steps as they arrived
         self.arrived = arrived  # set whenever a step is queued
         self.max_batch = max_batch
@@ -45,20 +41,20 @@ class DecodeWaves:
         heads = sorted((s for s in decoding if s.is_head), key=lambda s: backend.batch_rank(s.session_id))
         return size, {s.session_id: i // size for i, s in enumerate(heads)}
 
-    async def next(self, sessions: Iterable, backend) -> list[Msg]:
+    async def next(self, sessions: Iterable, backend) -> list[Incoming]:
         """Take the next wave off the queue (which must not be empty), waiting briefly for stragglers."""
         size, wave_of = self.plan(sessions, backend)
-        mine = wave_of.get(_session_of(self.queue[0]))
+        mine = wave_of.get(self.queue[0].session_id)
         if mine is None:  # not a session this node heads: waves arrive formed from upstream
             target, wait_ms = size, min(LATER_HOP_WAIT_MS, self.wait_ms)
 
-            def wanted(_m: Msg) -> bool:
+            def wanted(_m: Incoming) -> bool:
                 return True
         else:
             target, wait_ms = sum(1 for w in wave_of.values() if w == mine), self.wait_ms
 
-            def wanted(m: Msg) -> bool:
-                return wave_of.get(_session_of(m)) == mine
+            def wanted(m: Incoming) -> bool:
+                return wave_of.get(m.session_id) == mine
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_ms / 1000.0

@@ -1,0 +1,86 @@
+"""The JetStream consumers a worker binds for each route it serves: the hop's prefill and decode
+subjects, each a push consumer with explicit acks.
+
+Decode steps may be many in flight (one per decoding session); a prefill consumer takes one chunk
+at a time, so the prefill subject's window (topology.py) is what holds a slow hop's upstream. A
+work-queue stream allows one consumer per subject: binding first deletes consumers left on it by
+an earlier binding or a previous run of this node. Every received message becomes an `Incoming`
+on the phase's queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from neuron_bus import messages as M
+from neuron_bus import subjects as S
+from neuron_bus.timing import ACK_WAIT_S
+from neuron_bus.worker.engine import Incoming
+
+INACTIVE_S = 30.0  # the server removes a consumer nobody is bound to after this long
+
+
+class RouteConsumers:
+    def __init__(self, js, deliver: Callable[[str, Incoming], None], decode_ack_pending: int):
+        self.js = js
+        self.deliver = deliver  # (phase, message): queue it for the engine
+        self.decode_ack_pending = decode_ack_pending
+        self._bound: dict[str, list[tuple[object, str, str]]] = {}  # route -> (subscription, stream, subject)
+
+    def __contains__(self, route_id: str) -> bool:
+        return route_id in self._bound
+
+    async def bind(self, route: M.RouteAssignment, hop_index: int) -> None:
+        if route.route_id in self._bound:
+            return
+        subs = []
+        for phase, stream, pending in (
+            ("decode", S.STREAM_DECODE, self.decode_ack_pending),
+            ("prefill", S.STREAM_PREFILL, 1),
+        ):
+
+            async def received(msg: Msg, phase=phase) -> None:
+                self.deliver(phase, Incoming(msg, msg.headers, msg.data))
+
+            subject = S.hop_input(route.route_id, hop_index, phase)
+            await self._drop(stream, subject)
+            sub = await self.js.subscribe(
+                subject,
+                stream=stream,
+                cb=received,
+                manual_ack=True,
+                pending_msgs_limit=-1,
+                config=ConsumerConfig(
+                    ack_policy=AckPolicy.EXPLICIT,
+                    deliver_policy=DeliverPolicy.ALL,
+                    max_ack_pending=pending,
+                    ack_wait=ACK_WAIT_S,
+                    inactive_threshold=INACTIVE_S,
+                ),
+            )
+            subs.append((sub, stream, subject))
+        self._bound[route.route_id] = subs
+
+    async def unbind(self, route_id: str) -> None:
+        for sub, stream, subject in self._bound.pop(route_id, []):
+            try:
+                await sub.unsubscribe()
+                await self._drop(stream, subject)
+            except Exception:  # connection already closing
+                pass
+
+    async def unbind_all(self) -> None:
+        for route_id in list(self._bound):
+            await self.unbind(route_id)
+
+    async def _drop(self, stream: str, subject: str) -> None:
+        """Delete consumers left on ``subject`` (by an earlier binding or a previous run of this node)."""
+        for info in await self.js.consumers_info(stream):
+            if info.config.filter_subject == subject:
+                try:
+                    await self.js.delete_consumer(stream, info.name)
+                except Exception:  # already gone
+                    pass

@@ -1,0 +1,62 @@
+"""A worker's control plane: the requests on ``neuron.node.<id>.ctl``, one handler each.
+
+Ping (latency probes), SessionsQuery (`neuron-bus sessions`), TokenizeRequest (the head tokenizes
+prompts and applies the chat template), SessionOpen / SessionResume / SessionClose (lifecycle.py).
+Every failure is an explicit `ControlError` reply naming its reason, never silence.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.aio.msg import Msg
+
+from neuron_bus import messages as M
+from neuron_bus.errors import MalformedMessage
+
+log = logging.getLogger("neuron_bus.worker")
+
+
+class ControlPlane:
+    def __init__(self, node_id: str, lifecycle, runner, tokenizer, metrics):
+        self.node_id = node_id
+        self.lifecycle = lifecycle
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+
+    async def on_message(self, msg: Msg) -> None:
+        try:
+            reply = await self.handle(M.decode(msg.data, M.ControlRequest))
+        except Exception as exc:  # every failure is an explicit reply
+            if isinstance(exc, MalformedMessage):
+                self.metrics.reject("bad_control")
+            reply = M.ControlError(code=str(getattr(exc, "reason", type(exc).__name__)), message=str(exc))
+        if msg.reply:
+            await msg.respond(M.encode(reply))
+
+    async def handle(self, req):
+        if isinstance(req, M.Ping):
+            return M.Pong(node_id=self.node_id, sent_at=req.sent_at)
+        if isinstance(req, M.SessionsQuery):
+            return self.lifecycle.report(self.metrics.rejected_by_reason)
+        if isinstance(req, M.TokenizeRequest):
+            return await self.tokenize(req)
+        if isinstance(req, M.SessionOpen):
+            return await self.lifecycle.open(req)
+        if isinstance(req, M.SessionResume):
+            return await self.lifecycle.resume(req)
+        if isinstance(req, M.SessionClose):
+            freed = await self.lifecycle.close(req.session_id)
+            return M.SessionClosed(session_id=req.session_id, node_id=self.node_id, freed_bytes=freed)
+        raise ValueError(f"unsupported control request {type(req).__name__}")
+
+    async def tokenize(self, req: M.TokenizeRequest) -> M.TokenizeReply:
+        if req.messages is not None:
+            text, tokens = await self.runner.call(self.tokenizer.encode_chat, req.messages, req.add_generation_prompt)
+        elif req.text is not None:
+            text = req.text
+            tokens = await self.runner.call(self.tokenizer.encode, text)
+        else:
+            raise ValueError("tokenize needs text or messages")
+        return M.TokenizeReply(tokens=tokens, text=text)

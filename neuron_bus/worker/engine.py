@@ -1,0 +1,312 @@
+"""A hop's engine: admission, compute and outputs for the activation messages of every session a
+worker serves. No I/O: the shell (service.py) hands it what its consumers received and
+publishes, acknowledges and reports what it returns (the split vLLM makes between its engine
+core and the process around it).
+
+One batch goes through three calls:
+- `admit(batch, phase)`: decode each message (codec) and check its session state key against the
+  session table before any model work; a mismatch is a typed `Rejection`, never a silent
+  continuation; a second step of one session in one batch is a replay.
+- `compute(steps, phase)`: the backend call — one batched call for a decode wave, one call for a
+  prefill chunk; a batch that fails as a whole is re-run step by step, so only the bad session
+  fails. Touches only the backend: the shell may run it on the backend's thread.
+- `advance(steps, results)`: the bookkeeping after compute (positions, sequence numbers, the audit
+  trail's counts) and each step's outcome: an `Output` (hidden states for the next hop, or at the
+  tail the sampled token's delta and the ring step back to hop 0; whether a snapshot is due), a
+  `Failed` step, or `Gone` (the session closed or moved while it computed).
+
+The session table's lifecycle (open, resume, close) is checked and recorded here too; the backend
+work and the bus side of it are the shell's (lifecycle.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from neuron_bus import codec
+from neuron_bus import messages as M
+from neuron_bus import subjects as S
+from neuron_bus.errors import MalformedMessage, NeuronBusError, SessionMismatch
+from neuron_bus.trust import fault as faults
+from neuron_bus.worker.session_table import HopSession, SessionTable
+from neuron_bus.worker.tail import TailDecoder, TokenStep
+
+
+@dataclass
+class EngineOptions:
+    max_body: int = codec.DEFAULT_MAX_BODY
+    slow_ms: float = 0.0  # add this much delay per backend call (fault injection for tests)
+    snapshot_every: int = 0  # a snapshot is due whenever a decoding session crosses a multiple of this
+    fault: str | None = None  # fault injection for audit tests: "perturb" (trust/fault.py)
+
+
+@dataclass
+class Incoming:
+    """An activation message as a consumer received it."""
+
+    handle: Any  # the transport's message: the shell acknowledges or terminates it
+    headers: dict[str, str] | None
+    data: bytes
+
+    @property
+    def session_id(self) -> str | None:
+        return (self.headers or {}).get("session_id")
+
+
+@dataclass
+class Step:
+    """An admitted message: its session, its state key and its input."""
+
+    handle: Any
+    session: HopSession
+    header: M.ActivationHeader
+    x: np.ndarray
+
+    @property
+    def positions(self) -> int:
+        return int(self.x.shape[0])
+
+
+@dataclass
+class Rejection:
+    """A message refused before any model work, and why (``reason`` is the metrics label)."""
+
+    handle: Any
+    reason: str
+    message: str
+    session_id: str  # as the message's headers say it (may be empty or invalid)
+    route_id: str
+
+
+@dataclass
+class Send:
+    """One message for the bus; ``seam`` names the activation phase it carries ("" for others)."""
+
+    subject: str
+    body: bytes
+    headers: dict[str, str] | None = None
+    seam: str = ""
+
+
+@dataclass
+class Output:
+    """A computed step: what to publish (all of it accepted before the input is acknowledged)."""
+
+    step: Step
+    sends: list[Send] = field(default_factory=list)
+    telemetry: M.GenerationTelemetry | None = None
+    token: TokenStep | None = None  # the tail's sampled token
+    snapshot: bool = False  # export the session's cache once the sends are accepted
+
+    @property
+    def finished(self) -> bool:
+        return self.token is not None and self.token.finished
+
+
+@dataclass
+class Failed:
+    """A step the backend refused (``fatal`` False: only this message) or failed on (the session fails)."""
+
+    step: Step
+    reason: str
+    message: str
+    fatal: bool
+
+
+@dataclass
+class Gone:
+    """The step's session closed or moved to a repaired route while it computed: drop the result."""
+
+    step: Step
+
+
+Outcome = Output | Failed | Gone
+
+
+def snapshot_due(every: int, before: int, after: int, prompt_tokens: int) -> bool:
+    """A session moved from position ``before`` to ``after``: is a snapshot due (whenever it crosses a
+    multiple of ``every`` once its prompt is in; 0: never)? Every hop sees every position, so all
+    hops of a route snapshot at the same positions."""
+    return bool(every) and after >= prompt_tokens and before // every != after // every
+
+
+class HopEngine:
+    def __init__(self, node_id: str, cache_abi: str, backend, tokenizer, trail, options: EngineOptions | None = None):
+        self.node_id = node_id
+        self.cache_abi = cache_abi
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.trail = trail  # the audit trail's bookkeeping (worked, observe): no I/O
+        self.opts = options or EngineOptions()
+        self.sessions = SessionTable()
+        self._fault_rng = np.random.default_rng()
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self, batch: list[Incoming], phase: str) -> tuple[list[Step], list[Rejection]]:
+        steps: list[Step] = []
+        rejected: list[Rejection] = []
+        seen: set[str] = set()
+        for m in batch:
+            try:
+                header, x = codec.decode(m.headers, m.data, max_body=self.opts.max_body)
+                if header.phase != phase:
+                    raise SessionMismatch("wrong_phase", f"{header.phase} message on the {phase} subject")
+                s = self.sessions.check(header)
+                if s.session_id in seen:  # a copy of a step already in this batch
+                    raise SessionMismatch("replayed", f"a second step for session {s.session_id} in one batch")
+            except (MalformedMessage, SessionMismatch) as exc:
+                h = m.headers or {}
+                rejected.append(
+                    Rejection(m.handle, exc.reason, str(exc), h.get("session_id", ""), h.get("route_id", ""))
+                )
+                continue
+            seen.add(s.session_id)
+            steps.append(Step(m.handle, s, header, x))
+        return steps, rejected
+
+    # ------------------------------------------------------------------ compute
+
+    def compute(self, steps: list[Step], phase: str) -> list[np.ndarray | Exception]:
+        """Each step's backend output, or the exception it failed with."""
+        try:
+            return self._call(steps, phase)
+        except Exception as exc:
+            if len(steps) == 1:
+                return [exc]
+        return [self.compute([st], phase)[0] for st in steps]  # a batch failed as a whole: one by one
+
+    def _call(self, steps: list[Step], phase: str) -> list[np.ndarray]:
+        if self.opts.slow_ms:
+            time.sleep(self.opts.slow_ms / 1000.0)
+        b = self.backend
+        if phase == "decode" and len(steps) > 1:
+            outs = b.decode_batch([(st.session.session_id, st.header.position, st.x) for st in steps])
+        else:
+            st = steps[0]
+            run = b.decode_step if phase == "decode" else b.prefill
+            outs = [run(st.session.session_id, st.header.position, st.x)]
+        if self.opts.fault:
+            outs = [faults.apply(self.opts.fault, out, self._fault_rng) for out in outs]
+        return outs
+
+    # ------------------------------------------------------------------ outcomes
+
+    def advance(self, steps: list[Step], results: list[np.ndarray | Exception]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for st, result in zip(steps, results):
+            s = st.session
+            if not self.is_current(s):
+                outcomes.append(Gone(st))
+            elif isinstance(result, Exception):
+                refused = getattr(result, "reason", None) == "bad_input"  # refused before any model work
+                reason = "bad_input" if refused else "backend_error"
+                outcomes.append(Failed(st, reason, str(result), fatal=not refused))
+            else:
+                before = s.position
+                s.position += st.positions
+                s.seq += 1
+                s.last_used = time.monotonic()
+                self.trail.worked(s.session_id, st.header.phase, st.positions)
+                snap = snapshot_due(self.opts.snapshot_every, before, s.position, s.open.prompt_tokens)
+                outcomes.append(self._output(st, result, snap))
+        return outcomes
+
+    def _output(self, st: Step, out: np.ndarray, snapshot: bool) -> Output:
+        s, h = st.session, st.header
+        if s.tail is None:  # hidden states on to the next hop
+            nxt = s.header(s.hop_index + 1, h.position, h.phase, s.out_seq, s.route.wire_dtype)
+            headers, body = codec.encode(nxt, out, max_body=self.opts.max_body)
+            s.out_seq += 1
+            send = Send(S.hop_input(s.route.route_id, s.hop_index + 1, h.phase), body, headers, seam=h.phase)
+            return Output(st, [send], snapshot=snapshot)
+        end = h.position + st.positions
+        if end < s.prefill_end:  # a prefill (or repair replay) chunk that is not the last: progress only
+            news = s.tail.prefilled(end)
+            return Output(st, telemetry=s.tail.progress.snapshot() if news else None, snapshot=snapshot)
+        return self._token(st, out, end, snapshot)
+
+    def _token(self, st: Step, logits: np.ndarray, position: int, snapshot: bool) -> Output:
+        s, tail = st.session, st.session.tail
+        assert tail is not None
+        self.trail.observe(s.session_id, len(tail.generated), logits)
+        token = tail.token(logits)
+        sends = []
+        if token.finished:
+            s.finished = True
+        else:  # the ring step first: it is the critical path of the next token
+            head = s.header(0, position, "decode", tail.ring_seq(token.index), "i32")
+            headers, body = codec.encode(head, np.array([token.delta.token_id], dtype=np.int32))
+            sends.append(Send(S.hop_input(s.route.route_id, 0, "decode"), body, headers, seam="decode"))
+        sends.append(Send(S.session_tokens(s.session_id), M.encode(token.delta)))
+        telemetry = tail.progress.snapshot() if token.finished or tail.progress.due() else None
+        return Output(st, sends, telemetry=telemetry, token=token, snapshot=snapshot and not token.finished)
+
+    def is_current(self, s: HopSession) -> bool:
+        """Is ``s`` still this node's session (not closed, not replaced by a repaired route's)?"""
+        return self.sessions.get(s.session_id) is s
+
+    # ------------------------------------------------------------------ session table lifecycle
+
+    def check_open(self, req: M.SessionOpen) -> M.RouteHop:
+        """Is this node the hop ``req`` names, with the same layers and cache ABI, and does it fit?"""
+        S.check_token(req.session_id, "session id")
+        route = req.route
+        if not 0 <= req.hop_index < len(route.hops):
+            raise ValueError(f"hop index {req.hop_index} is outside route {route.route_id}")
+        hop = route.hops[req.hop_index]
+        if hop.node_id != self.node_id:
+            raise ValueError(f"hop {req.hop_index} of route {route.route_id} is node {hop.node_id}, not {self.node_id}")
+        b = self.backend
+        if (hop.layer_start, hop.layer_end) != (b.layer_start, b.layer_end):
+            raise ValueError(
+                f"this node serves layers [{b.layer_start}, {b.layer_end}), "
+                f"the route asks for [{hop.layer_start}, {hop.layer_end})"
+            )
+        if hop.cache_abi != self.cache_abi:
+            raise ValueError(f"cache ABI {hop.cache_abi} does not match this node's {self.cache_abi}")
+        if req.prompt_tokens <= 0 or req.prompt_tokens + req.sampling.max_tokens > req.n_ctx:
+            raise ValueError(
+                f"prompt of {req.prompt_tokens} tokens + {req.sampling.max_tokens} new ones exceeds n_ctx {req.n_ctx}"
+            )
+        if req.chunk_size <= 0:
+            raise ValueError("chunk size must be positive")
+        return hop
+
+    def check_resume(self, req: M.SessionResume) -> HopSession | None:
+        """The session a resume replaces here (None: a new replacement node), after checking ``req``."""
+        o = req.open
+        self.check_open(o)
+        if not 0 <= req.position < req.replay_end <= o.n_ctx:
+            raise ValueError(
+                f"resume at {req.position} with replay up to {req.replay_end} does not fit n_ctx {o.n_ctx}"
+            )
+        old = self.sessions.get(o.session_id)
+        if req.restore and old is not None:
+            raise ValueError(f"session {o.session_id} is already open here; only a replacement restores")
+        if not req.restore and old is None:  # e.g. this node restarted: its hot KV is gone
+            raise NeuronBusError("unknown_session", f"{self.node_id} holds no session {o.session_id}")
+        return old
+
+    def add(self, req: M.SessionOpen) -> HopSession:
+        """Record a newly opened session (its cache is allocated)."""
+        s = HopSession(open=req, node_id=self.node_id)
+        if s.is_tail:
+            s.tail = TailDecoder(req, self.tokenizer)
+        self.sessions.add(s)
+        return s
+
+    def add_resumed(self, req: M.SessionResume, position: int) -> HopSession:
+        """Record a session moved onto a repaired route at ``position`` (replacing any old entry:
+        the old route's stray messages are now ``wrong_route``)."""
+        o = req.open
+        s = HopSession(open=o, node_id=self.node_id, position=position, replay_end=req.replay_end)
+        if s.is_tail:
+            replay_chunks = -(-(req.replay_end - position) // o.chunk_size)
+            s.tail = TailDecoder(o, self.tokenizer, list(req.generated), replay_chunks - len(req.generated))
+        self.sessions.add(s)
+        return s

@@ -1,0 +1,138 @@
+"""What the worker sends for the engine's outcomes, and when it acknowledges their inputs.
+
+- Outputs: a batch's messages go out together (their stream acknowledgements overlap); each
+  input is acknowledged only once the next stream accepted its outputs (backpressure), after the
+  snapshot due at that position is exported; an output that cannot be sent leaves its input
+  unacknowledged (redelivered after the ack wait); one that waited on a full next hop while its
+  session closed or moved is dropped. At the tail: the validation event when a generation
+  finishes, and the generation's telemetry.
+- Rejections: counted by reason, the message terminated, and its session told (non-fatal),
+  without holding up the data path.
+- Failures: a fatal `SessionError` naming this node and the phase, and the session closed here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from neuron_bus import messages as M
+from neuron_bus import subjects as S
+from neuron_bus.errors import NeuronBusError
+from neuron_bus.flow import publish
+from neuron_bus.tasks import Background
+from neuron_bus.worker.engine import Failed, Output, Rejection
+from neuron_bus.worker.session_table import HopSession
+
+log = logging.getLogger("neuron_bus.worker")
+
+
+class Outbox:
+    def __init__(self, nc, engine, runner, lifecycle, snapshots, trail, metrics):
+        self.nc, self.js = nc, nc.jetstream()
+        self.engine = engine
+        self.runner = runner
+        self.lifecycle = lifecycle
+        self.snapshots = snapshots
+        self.trail = trail
+        self.metrics = metrics
+        self.node_id = engine.node_id
+        self._background = Background()  # rejections' replies: never awaited on the data path
+
+    async def stop(self) -> None:
+        await self._background.cancel_all()
+
+    # ------------------------------------------------------------------ outputs
+
+    async def send(self, outputs: list[Output]) -> None:
+        results = await asyncio.gather(*(self._send(o) for o in outputs), return_exceptions=True)
+        failure = None
+        for out, result in zip(outputs, results):
+            if isinstance(result, NeuronBusError) and result.reason == "session_gone":
+                await out.step.handle.term()
+            elif isinstance(result, BaseException):
+                failure = failure or result
+            else:
+                if out.snapshot:
+                    await self._snapshot(out.step.session)
+                await out.step.handle.ack()
+        if failure is not None:
+            raise failure
+
+    async def _send(self, out: Output) -> None:
+        s = out.step.session
+
+        def still_current(_waits: int) -> None:  # stop waiting on a full (dead?) next hop once the session is gone
+            if not self.engine.is_current(s):
+                raise NeuronBusError("session_gone", f"session {s.session_id} closed or moved to a repaired route")
+
+        await asyncio.gather(
+            *(publish(self.js, m.subject, m.body, m.headers, on_wait=still_current) for m in out.sends)
+        )
+        for m in out.sends:
+            if m.seam:
+                self.metrics.seam(m.seam, "out", len(m.body))
+        if out.token is not None and out.finished and s.tail is not None:
+            await self.trail.validation(s.open, s.tail.generated, out.token.delta.finish_reason)
+        if out.telemetry is not None:
+            await publish(self.js, S.telemetry(s.session_id), M.encode(out.telemetry))
+
+    async def _snapshot(self, s: HopSession) -> None:
+        """Export the session's cache now (it is at a snapshot position) and upload it in the background."""
+        if self.snapshots.busy(s.session_id):
+            return
+        try:
+            blob = await self.runner.call(self.engine.backend.export_state, s.session_id)
+        except Exception as exc:
+            log.warning("worker %s: export of %s failed: %s", self.node_id, s.session_id, exc)
+            self.snapshots.failed("export")
+            return
+        self.snapshots.write(s, blob)
+
+    # ------------------------------------------------------------------ refusals and failures
+
+    async def failed(self, o: Failed) -> None:
+        if o.fatal:
+            await self.fail(o.step.session, o.reason, o.message)
+            await o.step.handle.term()
+        else:
+            s = o.step.session
+            self.reject(Rejection(o.step.handle, o.reason, o.message, s.session_id, s.route.route_id))
+
+    def reject(self, r: Rejection) -> None:
+        """Count and refuse a message; tell its session (non-fatal), if its id can name one."""
+        self.metrics.reject(r.reason)
+        self._background.spawn(r.handle.term())
+        try:
+            subject = S.session_error(r.session_id)
+        except ValueError:
+            return  # no usable session id: counted, nobody to tell
+        s = self.engine.sessions.get(r.session_id)
+        err = M.SessionError(
+            session_id=r.session_id,
+            route_id=r.route_id,
+            phase=s.phase if s else "failed",
+            code=r.reason,
+            message=f"{self.node_id}: rejected message: {r.message}",
+            node_id=self.node_id,
+            fatal=False,
+        )
+        self._background.spawn(self.nc.publish(subject, M.encode(err)))
+
+    async def fail(self, s: HopSession, code: str, message: str) -> None:
+        """A fatal session error: tell the client, free this hop's cache."""
+        err = M.SessionError(
+            session_id=s.session_id,
+            route_id=s.route.route_id,
+            phase=s.phase,
+            code=code,
+            message=f"{self.node_id}: {message}",
+            node_id=self.node_id,
+            position=s.position,
+            fatal=True,
+        )
+        await self.nc.publish(S.session_error(s.session_id), M.encode(err))
+        if s.tail is not None:
+            s.tail.progress.fail(f"{code}: {message}", s.phase, self.node_id)
+            await publish(self.js, S.telemetry(s.session_id), M.encode(s.tail.progress.snapshot()))
+        await self.lifecycle.close(s.session_id, failed=True)
