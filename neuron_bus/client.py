@@ -11,6 +11,7 @@ The client is only in the loop for the prompt: decode runs as a ring (tail -> ho
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,7 +22,16 @@ from neuron_bus import subjects as S
 from neuron_bus.errors import RouteError
 from neuron_bus.generation import PREFILL_RETRIES, STALL_TIMEOUT_S, GenerationRun  # noqa: F401  (re-exported)
 from neuron_bus.models import DEFAULT_PRESET
+from neuron_bus.timing import AVOID_LOST_S
 from neuron_bus.topology import connect
+
+
+@dataclass
+class Prepared:
+    """A route for a model, and the prompt's token ids as the route's head tokenized them."""
+
+    route: M.RouteAssignment
+    prompt_tokens: list[int]
 
 
 @dataclass
@@ -103,9 +113,49 @@ class NeuronClient:
             raise RouteError(reply.code, reply.message)
         return reply
 
+    async def prepare(
+        self,
+        model_preset: str = DEFAULT_PRESET,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        prompt_tokens: list[int] | None = None,
+        route: M.RouteAssignment | None = None,
+        policy: str = "public",
+        wire_dtype: str = "f32",
+        encoding: str = "raw",
+        avoid: set[str] | frozenset[str] = frozenset(),
+    ) -> Prepared:
+        """A route (``route``, or one from the tracker avoiding the nodes in ``avoid``) and the
+        prompt's tokens: ``prompt_tokens`` as given, else ``prompt`` or ``messages`` tokenized by
+        the route's head (which applies the model's chat template to messages)."""
+        if route is None:
+            route = await self.route(model_preset, wire_dtype, encoding, policy=policy, avoid=avoid)
+        if prompt_tokens is None:
+            tokenize = M.TokenizeRequest(text=prompt, messages=messages)
+            prompt_tokens = (await self.control(route.hops[0].node_id, tokenize)).tokens
+        if not prompt_tokens:
+            raise RouteError("empty_prompt", "the prompt has no tokens")
+        return Prepared(route, list(prompt_tokens))
+
     async def route(
-        self, model_preset: str = DEFAULT_PRESET, wire_dtype: str = "f32", encoding: str = "raw", **pins
+        self,
+        model_preset: str = DEFAULT_PRESET,
+        wire_dtype: str = "f32",
+        encoding: str = "raw",
+        avoid: set[str] | frozenset[str] = frozenset(),
+        **pins,
     ) -> M.RouteAssignment:
+        """A route from the tracker; one through a node in ``avoid`` (lost ones the tracker may still
+        list for a few seconds) is asked again until the tracker has expired them (then taken)."""
+        deadline = time.monotonic() + AVOID_LOST_S
+        while True:
+            route = await self._route(model_preset, wire_dtype, encoding, **pins)
+            if not avoid & {h.node_id for h in route.hops} or time.monotonic() > deadline:
+                return route
+            await asyncio.sleep(0.5)
+
+    async def _route(self, model_preset: str, wire_dtype: str, encoding: str, **pins) -> M.RouteAssignment:
         req = M.RouteRequest(
             request_id=uuid.uuid4().hex, model_preset=model_preset, wire_dtype=wire_dtype, encoding=encoding, **pins
         )
@@ -176,11 +226,17 @@ class NeuronClient:
     ) -> Generation:
         """Run a generation to its end and collect it."""
         start = time.monotonic()
-        route = route or await self.route(model_preset, wire_dtype, encoding, policy=kwargs.get("policy", "public"))
-        prompt_ids = kwargs.pop("prompt_tokens", None)
-        if prompt_ids is None:
-            tok = await self.control(route.hops[0].node_id, M.TokenizeRequest(text=prompt, messages=messages))
-            prompt_ids = tok.tokens
+        prepared = await self.prepare(
+            model_preset,
+            prompt=prompt,
+            messages=messages,
+            prompt_tokens=kwargs.pop("prompt_tokens", None),
+            route=route,
+            policy=kwargs.get("policy", "public"),
+            wire_dtype=wire_dtype,
+            encoding=encoding,
+        )
+        route, prompt_ids = prepared.route, prepared.prompt_tokens
         first = None
         session_id = ""
         tokens, logprobs, tops, text = [], [], [], []

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 
-from neuron_bus import codec
+from neuron_bus import codec, session_events
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import RouteError
@@ -29,7 +29,7 @@ from neuron_bus.flow import publish
 from neuron_bus.repair import repair as repair_route
 from neuron_bus.routes import hop_header
 from neuron_bus.telemetry import GenerationProgress
-from neuron_bus.timing import AVOID_LOST_S, HEARTBEAT_LOSS_S
+from neuron_bus.timing import HEARTBEAT_LOSS_S
 
 STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route is considered dead
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
@@ -87,12 +87,8 @@ class GenerationRun:
 
     async def events(self) -> AsyncIterator[M.TokenDelta | M.GenerationTelemetry]:
         nc = self.client.nc
-        for subject, kind in (
-            (S.session_tokens(self.session_id), "token"),
-            (S.session_error(self.session_id), "error"),
-            (S.telemetry(self.session_id), "telemetry"),
-        ):
-            self.subs.append(await nc.subscribe(subject, cb=self._into_queue(kind)))
+        for kind, subject in session_events.SUBJECTS:
+            self.subs.append(await nc.subscribe(subject(self.session_id), cb=self._into_queue(kind)))
         try:
             await self._publish_progress()  # comes back through the subscription
             need_start = True
@@ -126,26 +122,44 @@ class GenerationRun:
     # ------------------------------------------------------------------ start
 
     async def _start(self) -> None:
-        if self.route is None:
-            self.route = await self._route_avoiding_lost()
+        prepared = await self.client.prepare(
+            self.model_preset,
+            prompt=self.prompt,
+            messages=self.messages,
+            prompt_tokens=self.prompt_tokens,
+            route=self.route,
+            policy=self.policy,
+            wire_dtype=self.wire_dtype,
+            encoding=self.encoding,
+            avoid=self.lost,
+        )
+        self.route, self.prompt_tokens = prepared.route, prepared.prompt_tokens
         await self._follow_route()
         self.progress.finish("loading")
         await self._publish_progress()
-        if self.prompt_tokens is None:
-            req = M.TokenizeRequest(text=self.prompt, messages=self.messages)
-            self.prompt_tokens = (await self.client.control(self.route.hops[0].node_id, req)).tokens
-        if not self.prompt_tokens:
-            raise RouteError("empty_prompt", "the prompt has no tokens")
         self.progress.prefill_total = len(self.prompt_tokens)
-        for i, hop in enumerate(self.route.hops):
-            tail = i == len(self.route.hops) - 1
-            await self.client.control(
-                hop.node_id, self._session_open(i, prompt=list(self.prompt_tokens) if tail else None)
-            )
-            self.opened.append(hop.node_id)
+        await self._open_hops()
         self.progress.prefill(0)
         await self._publish_progress()
         self.sender = asyncio.create_task(self._send_prompt(self.prompt_tokens))
+
+    async def _open_hops(self) -> None:
+        """Open the session on every hop at once (a WAN makes each request cost a round trip)."""
+        hops = self.route.hops
+        tail = len(hops) - 1
+        results = await asyncio.gather(
+            *(
+                self.client.control(
+                    h.node_id, self._session_open(i, prompt=list(self.prompt_tokens) if i == tail else None)
+                )
+                for i, h in enumerate(hops)
+            ),
+            return_exceptions=True,
+        )
+        self.opened += [h.node_id for h, r in zip(hops, results) if not isinstance(r, BaseException)]
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
 
     def _session_open(self, hop_index: int, prompt: list[int] | None) -> M.SessionOpen:
         n = len(self.prompt_tokens)
@@ -159,15 +173,6 @@ class GenerationRun:
             sampling=self.sampling,
             prompt=prompt,  # the tail writes it into the validation event
         )
-
-    async def _route_avoiding_lost(self) -> M.RouteAssignment:
-        """A route without the nodes lost so far, while the tracker may still list them (then any)."""
-        deadline = time.monotonic() + AVOID_LOST_S
-        while True:
-            route = await self.client.route(self.model_preset, self.wire_dtype, self.encoding, policy=self.policy)
-            if not self.lost & {h.node_id for h in route.hops} or time.monotonic() > deadline:
-                return route
-            await asyncio.sleep(0.5)
 
     async def _follow_route(self) -> None:
         """Point telemetry and the liveness watch at the current route."""
@@ -233,25 +238,11 @@ class GenerationRun:
                 raise RouteError(
                     "node_lost", f"node {node} sent no heartbeat for {silent:.1f}s", phase=last_phase, node_id=node
                 )
-            if kind == "error":
-                err = M.decode(data, M.SessionError)
-                if err.fatal:
-                    raise RouteError(err.code, err.message, phase=err.phase, node_id=err.node_id)
+            event = session_events.read(kind, data, last_phase)
+            if event is None:
                 continue  # a rejected stray message; the session goes on
-            if kind == "telemetry":
-                t = M.decode(data, M.GenerationTelemetry)
-                if t.phase == "failed":
-                    raise RouteError(
-                        "route_failed",
-                        t.failure_reason or "route failed",
-                        phase=t.failure_phase or last_phase,
-                        node_id=t.failure_node,
-                    )
-                last_phase = t.phase
-                yield t
-                continue
-            last_phase = "decode"
-            yield M.decode(data, M.TokenDelta)
+            last_phase = event.phase if isinstance(event, M.GenerationTelemetry) else "decode"
+            yield event
 
     # ------------------------------------------------------------------ recovery, failure, close
 
@@ -300,13 +291,9 @@ class GenerationRun:
                 task.cancel()
 
     async def _close_sessions(self) -> None:
-        for node in self.opened:
-            try:
-                await self.client.control(
-                    node, M.SessionClose(session_id=self.session_id, route_id=self.route.route_id), timeout=5
-                )
-            except RouteError:
-                pass  # the node is gone; its cache went with it
+        """Free the session on every hop that holds it, all at once; a node that is gone took its cache with it."""
+        close = M.SessionClose(session_id=self.session_id, route_id=self.route.route_id)
+        await asyncio.gather(*(self.client.control(n, close, timeout=5) for n in self.opened), return_exceptions=True)
         self.opened.clear()
 
     async def _close(self) -> None:

@@ -24,7 +24,7 @@ from neuron_bus.artifacts.cuts import check_cut, layer_kinds
 from neuron_bus.artifacts.gguf_model import GGUFModel, format_layers
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.models import preset_for
-from neuron_bus.natsserver import NatsServer, ServerConfig, check_ports_free, free_port
+from neuron_bus.natsserver import NatsServer, ServerConfig, check_ports_free, free_port, log_tail
 from neuron_bus.split import model_split
 from neuron_bus.topology import connect, ensure_topology
 
@@ -38,6 +38,41 @@ class WorkerSpec:
     layers: tuple[int, int]
     node_id: str
     extra: list[str] = field(default_factory=list)
+
+
+def nats_servers(workdir: Path, cluster: int, port: int | None, http_port: int | None, extra: str) -> list[NatsServer]:
+    """One nats-server, or a cluster of ``cluster`` (streams and buckets then get as many replicas)."""
+    if cluster == 1:
+        cfg = ServerConfig(
+            store_dir=workdir / "nats", port=port or free_port(), http_port=http_port or free_port(), extra=extra
+        )
+        return [NatsServer(cfg)]
+    routes = [free_port() for _ in range(cluster)]
+    return [
+        NatsServer(
+            ServerConfig(
+                store_dir=workdir / f"nats-{i}",
+                port=free_port(),
+                http_port=free_port(),
+                server_name=f"nats-{i}",
+                cluster_name="neuron",
+                cluster_port=p,
+                routes=[f"nats-route://127.0.0.1:{r}" for r in routes],
+                extra=extra,
+            )
+        )
+        for i, p in enumerate(routes)
+    ]
+
+
+def worker_ranges(model: GGUFModel, shards: int, ranges: list[tuple[int, int]] | None) -> list[tuple[int, int]]:
+    """The ranges given (each checked to load), or the work-balanced split into ``shards``."""
+    if not ranges:
+        return model_split(model, shards)
+    kinds = layer_kinds(model)
+    for a, b in ranges:
+        check_cut(kinds, a, b)
+    return ranges
 
 
 class LocalSwarm:
@@ -76,50 +111,20 @@ class LocalSwarm:
             from neuron_bus.trust.permissions import render
 
             auth = render(credentials)
-        if cluster == 1:
-            self.servers = [
-                NatsServer(
-                    ServerConfig(
-                        store_dir=self.workdir / "nats",
-                        port=nats_port or free_port(),
-                        http_port=http_port or free_port(),
-                        extra=auth,
-                    )
-                )
-            ]
-        else:  # a NATS cluster: streams and buckets get ``cluster`` replicas
-            routes_ = [free_port() for _ in range(cluster)]
-            self.servers = [
-                NatsServer(
-                    ServerConfig(
-                        store_dir=self.workdir / f"nats-{i}",
-                        port=free_port(),
-                        http_port=free_port(),
-                        server_name=f"nats-{i}",
-                        cluster_name="neuron",
-                        cluster_port=p,
-                        routes=[f"nats-route://127.0.0.1:{r}" for r in routes_],
-                        extra=auth,
-                    )
-                )
-                for i, p in enumerate(routes_)
-            ]
+        self.servers = nats_servers(self.workdir, cluster, nats_port, http_port, auth)
         self.prefill_window = prefill_window
         self.from_store = from_store  # publish the model to the shard swarm; workers fetch their range
         self.artifact_id: str | None = None
-        if ranges:
-            kinds = layer_kinds(model)
-            for a, b in ranges:
-                check_cut(kinds, a, b)
-        ranges = ranges or model_split(model, shards)
         self.workers = [
-            WorkerSpec(r, f"worker-{i}", list((worker_extra or {}).get(i, []))) for i, r in enumerate(ranges)
+            WorkerSpec(r, f"worker-{i}", list((worker_extra or {}).get(i, [])))
+            for i, r in enumerate(worker_ranges(model, shards, ranges))
         ]
         self.tracker_extra = tracker_extra or []
         self.auditor_extra = auditor_extra  # None: no auditor process
         self.gateway_port = gateway_port
         self.gateway_extra = gateway_extra or []
         self.procs: dict[str, subprocess.Popen] = {}
+        self.commands: dict[str, list[str]] = {}  # name -> the arguments it was started with
 
     @property
     def plain_url(self) -> str:
@@ -148,7 +153,12 @@ class LocalSwarm:
         proc = subprocess.Popen(cli() + args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         log.close()
         self.procs[name] = proc
+        self.commands[name] = args
         return proc
+
+    def respawn(self, name: str) -> subprocess.Popen:
+        """Start child ``name`` again, as it was started the first time."""
+        return self._spawn(name, self.commands[name])
 
     def start_worker(self, spec: WorkerSpec) -> subprocess.Popen:
         return self._spawn(
@@ -302,10 +312,7 @@ class LocalSwarm:
             return alive, await client.route(self.preset)
 
     def log_tail(self, name: str, n: int = 8) -> str:
-        try:
-            return " | ".join((self.workdir / f"{name}.log").read_text(errors="replace").strip().splitlines()[-n:])
-        except OSError:
-            return ""
+        return log_tail(self.workdir / f"{name}.log", n)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.get(name)

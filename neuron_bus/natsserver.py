@@ -38,6 +38,14 @@ def nats_server_binary() -> str:
     )
 
 
+def log_tail(path: Path, n: int) -> str:
+    """The last ``n`` lines of a log file, on one line ("" when it cannot be read)."""
+    try:
+        return " | ".join(Path(path).read_text(errors="replace").strip().splitlines()[-n:])
+    except OSError:
+        return ""
+
+
 def port_taken(host: str, port: int) -> bool:
     """Whether another program listens on ``port`` (a bind fails), checked without holding it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -166,7 +174,7 @@ class NatsServer:
             if self.proc and self.proc.poll() is not None:
                 raise ServerError(
                     "exited",
-                    f"nats-server exited with code {self.proc.returncode}: {self._log_tail()}",
+                    f"nats-server exited with code {self.proc.returncode}: {self.log_tail()}",
                 )
             try:
                 with urllib.request.urlopen(url, timeout=1) as resp:
@@ -178,11 +186,8 @@ class NatsServer:
         self.stop()
         raise ServerError("not_ready", f"nats-server not ready after {timeout:.0f}s ({last})")
 
-    def _log_tail(self, n: int = 5) -> str:
-        try:
-            return " | ".join(self.log_path.read_text(errors="replace").strip().splitlines()[-n:])
-        except OSError:
-            return ""
+    def log_tail(self, n: int = 5) -> str:
+        return log_tail(self.log_path, n)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop by PID: SIGTERM (lame-duck-free shutdown), SIGKILL if it lingers."""

@@ -18,6 +18,7 @@ Any step that cannot be done raises RouteError with the reason, the phase and th
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
@@ -87,10 +88,7 @@ async def repair(
     attempt: int,
     exclude: set[str],
 ) -> tuple[M.RouteAssignment, int, M.TrackedNode]:
-    """Repair ``route`` around ``dead``; return the new route, the replay start and the replacement.
-
-    ``session`` is hop 0's open request (the session's prompt size, n_ctx, chunking, sampling).
-    """
+    """Repair ``route`` around ``dead`` (``session``: hop 0's open request): (new route, replay start, replacement)."""
 
     def fail(reason: str, message: str, node: str | None = dead) -> RouteError:
         return RouteError(reason, message, phase="decode", node_id=node)
@@ -111,17 +109,7 @@ async def repair(
             f"backend {h.backend_id} and cache ABI {h.cache_abi} can replace {dead}",
         )
     replay_end = session.prompt_tokens + len(generated)
-    positions = []
-    for i, h in enumerate(route.hops):
-        if i == index:
-            continue
-        held = [s for s in (await client.sessions(h.node_id)).sessions if s.session_id == session.session_id]
-        if not held:
-            raise fail(
-                "hot_kv_lost", f"node {h.node_id} no longer holds session {session.session_id} (restarted?)", h.node_id
-            )
-        positions.append(held[0].position)
-    limit = min([*positions, replay_end - 1])
+    limit = min([*await surviving_positions(client, route, index, session.session_id), replay_end - 1])
     new = repaired_route(route, index, node, attempt)
 
     def resume(i: int, position: int, restore: bool) -> M.SessionResume:
@@ -136,14 +124,39 @@ async def repair(
         raise fail(
             exc.reason, f"replacement {node.node_id} cannot take over from {dead}: {exc}", node.node_id
         ) from None
-    for i, h in enumerate(route.hops):
-        if i != index:
-            try:
-                await client.control(h.node_id, resume(i, restored.position, False), timeout=REPAIR_TIMEOUT_S)
-            except RouteError as exc:
-                raise fail(exc.reason, f"surviving hop {h.node_id} cannot resume: {exc}", h.node_id) from None
+    survivors = [(i, h) for i, h in enumerate(route.hops) if i != index]
+    results = await asyncio.gather(
+        *(
+            client.control(h.node_id, resume(i, restored.position, False), timeout=REPAIR_TIMEOUT_S)
+            for i, h in survivors
+        ),
+        return_exceptions=True,
+    )
+    for (_, h), result in zip(survivors, results):
+        if isinstance(result, RouteError):
+            raise fail(result.reason, f"surviving hop {h.node_id} cannot resume: {result}", h.node_id)
+        if isinstance(result, BaseException):
+            raise result
     await purge(client.js, route)
     return new, restored.position, node
+
+
+async def surviving_positions(client, route: M.RouteAssignment, dead_index: int, session_id: str) -> list[int]:
+    """Where the session stands on every hop but the dead one (asked of all at once)."""
+    hops = [h for i, h in enumerate(route.hops) if i != dead_index]
+    reports = await asyncio.gather(*(client.sessions(h.node_id) for h in hops))
+    positions = []
+    for h, report in zip(hops, reports):
+        held = [s for s in report.sessions if s.session_id == session_id]
+        if not held:
+            raise RouteError(
+                "hot_kv_lost",
+                f"node {h.node_id} no longer holds session {session_id} (restarted?)",
+                "decode",
+                h.node_id,
+            )
+        positions.append(held[0].position)
+    return positions
 
 
 async def purge(js, route: M.RouteAssignment) -> None:

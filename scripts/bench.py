@@ -38,7 +38,7 @@ from neuron_bus.client import NeuronClient  # noqa: E402
 from neuron_bus.execution import open_reference, open_tokenizer  # noqa: E402
 from neuron_bus.local_swarm import LocalSwarm  # noqa: E402
 from neuron_bus.natsserver import free_port  # noqa: E402
-from scripts import jetstream_floor  # noqa: E402
+from scripts import bench_record, jetstream_floor  # noqa: E402
 
 PREFILL_SIZES = (512, 2048, 4096)
 
@@ -273,22 +273,45 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--model", default=models.DEFAULT_PRESET)
     ap.add_argument("--threads", type=int, default=1, help="threads per process (the same for every contender)")
+    ap.add_argument(
+        "--runs", type=int, default=1, help="run everything this many times; figures are medians with their range"
+    )
+    ap.add_argument(
+        "--record", action="store_true", help="write docs/bench.json and the README's table from this invocation's runs"
+    )
     args = ap.parse_args()
 
     model_path = models.resolve(args.model)
     tok = open_tokenizer(model_path)
-    sizes = PREFILL_SIZES
-    ids_by_size = {n: prompt_ids(tok, n) for n in sizes}
+    ids_by_size = {n: prompt_ids(tok, n) for n in PREFILL_SIZES}
     n_decode = 48 if args.quick else 128
     work = Path(tempfile.mkdtemp(prefix="neuron-bench-"))
     print(
-        f"model {model_path.name}; prefill {list(sizes)} tokens; {n_decode} decode tokens; "
-        f"{args.threads} thread(s) per process; {psutil.cpu_count()} cores",
+        f"model {model_path.name}; prefill {list(PREFILL_SIZES)} tokens; {n_decode} decode tokens; "
+        f"{args.threads} thread(s) per process; {psutil.cpu_count()} cores; {args.runs} run(s)",
         flush=True,
     )
+    runs = []
+    for i in range(args.runs):
+        print(f"run {i + 1} of {args.runs}", flush=True)
+        runs.append(run_once(model_path, args.threads, ids_by_size, n_decode, work / f"run{i}"))
+    result = bench_record.summarize(runs, quick=args.quick)
+    if args.runs > 1:
+        print("\n" + bench_record.table(result))
+    for path in filter(None, (args.json, bench_record.JSON if args.record else None)):
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
+    if args.record:
+        bench_record.write_readme(result)
+        print(f"wrote the table in {bench_record.README}")
+    return 0
 
+
+def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], n_decode: int, work: Path) -> dict:
+    """Every contender once, its table printed; the run's figures."""
+    sizes = tuple(ids_by_size)
     t = time.time()
-    single = bench_single(model_path, args.threads, ids_by_size, n_decode)
+    single = bench_single(model_path, threads, ids_by_size, n_decode)
     print(f"  single process done ({time.time() - t:.0f}s)", flush=True)
     contenders = {}
     plan = [
@@ -302,11 +325,11 @@ def main() -> int:
         t = time.time()
         use_sizes = {min(sizes): ids_by_size[min(sizes)]} if backend == "torch" else ids_by_size
         contenders[name] = bench_route(
-            model_path, shards, backend, args.threads, use_sizes, 16 if backend == "torch" else n_decode, work, conc
+            model_path, shards, backend, threads, use_sizes, 16 if backend == "torch" else n_decode, work, conc
         )
         print(f"  {name} done ({time.time() - t:.0f}s)", flush=True)
 
-    paired = paired_decode(model_path, args.threads, ids_by_size[min(sizes)], n_decode, work)
+    paired = paired_decode(model_path, threads, ids_by_size[min(sizes)], n_decode, work)
     paired_ratios = [r / s for s, r in paired]
     floor_ms = jetstream_floor.measure()
     think_ms = 1000 / single["decode_tok_s"] / 2  # each hop of a 2-hop route computes about half a token
@@ -369,7 +392,7 @@ def main() -> int:
 
     result = {
         "model": model_path.name,
-        "threads_per_process": args.threads,
+        "threads_per_process": threads,
         "decode_tokens": n_decode,
         "prefill_sizes": list(sizes),
         "single_decode_tok_s": single["decode_tok_s"],
@@ -399,10 +422,7 @@ def main() -> int:
         "peak_rss_bytes": {name: r["peak_rss_bytes"] for name, r in contenders.items()}
         | {"single": single["rss_bytes"]},
     }
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"\nwrote {args.json}")
-    return 0
+    return result
 
 
 if __name__ == "__main__":

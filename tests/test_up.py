@@ -128,3 +128,48 @@ def test_gateway_reports_its_taken_port(nats_server):
             timeout=60,
         )
     assert out.returncode == 1 and f"gateway port {busy}" in out.stderr and "in use" in out.stderr, out.stderr
+
+
+def read_until(stream, pattern: str, timeout: float) -> str:
+    """Lines of ``stream`` until one matches ``pattern`` (all of them, joined)."""
+    import re
+
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            break
+        seen.append(line)
+        if re.search(pattern, line):
+            return "".join(seen)
+    raise AssertionError(f"no line matching {pattern!r} in: {''.join(seen)[-2000:]}")
+
+
+@pytest.mark.slow
+def test_up_reports_a_killed_worker_restarts_it_and_serves_again(tmp_path):
+    with running_up(tmp_path) as (up, port, gateway):
+        worker = next(p for p in psutil.Process(up.pid).children(recursive=True) if "worker-1" in " ".join(p.cmdline()))
+        worker.kill()
+        said = read_until(up.stderr, r"worker-1 restarted", 60)
+        assert "worker-1 killed by SIGKILL" in said and "restarting it in" in said, said
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key="x", max_retries=0, timeout=60)
+        deadline = time.monotonic() + 120
+        while True:  # the restarted worker loads, announces itself, and routes reach it again
+            try:
+                r = client.completions.create(model="smollm2-135m", prompt="Hi", max_tokens=4)
+                break
+            except openai.APIStatusError:
+                assert time.monotonic() < deadline, "the swarm did not serve again"
+                time.sleep(2)
+        assert r.usage.completion_tokens >= 1
+
+
+@pytest.mark.slow
+def test_up_stops_with_a_clear_message_when_nats_server_dies(tmp_path):
+    with running_up(tmp_path) as (up, _, _):
+        server = next(p for p in psutil.Process(up.pid).children(recursive=True) if "nats-server" in p.name())
+        server.kill()
+        said = read_until(up.stderr, r"the swarm stops", 30)
+        assert "nats-server" in said and "killed by SIGKILL" in said
+        up.wait(60)
+        assert up.returncode == 1

@@ -182,6 +182,47 @@ def artifact_id_for(file_hashes: list[FileHash], piece_size: int) -> str:
     return h.hexdigest()[:32]
 
 
+def _layout(
+    path: Path, tensors: list[Tensor], piece_size: int, first: int
+) -> tuple[list[PieceHash], list[TensorEntry]]:
+    """One file's pieces (numbered from ``first``, not hashed yet) and its tensors with the pieces holding them."""
+    pieces = [
+        PieceHash(
+            index=first + i, file=path.name, offset=off, length=min(piece_size, r.end - off), sha256="", region=r.name
+        )
+        for i, (r, off) in enumerate(
+            (r, off) for r in _regions(tensors, path.stat().st_size) for off in range(r.start, r.end, piece_size)
+        )
+    ]
+    entries = [
+        TensorEntry(
+            name=t.name,
+            file=path.name,
+            offset=t.offset,
+            nbytes=t.nbytes,
+            ggml_type=t.ggml_type.name,
+            shape=list(t.shape),
+            layer=t.layer,
+            pieces=[p.index for p in pieces if p.offset < t.offset + t.nbytes and p.offset + p.length > t.offset],
+        )
+        for t in tensors
+    ]
+    return pieces, entries
+
+
+def _ticker(total: int, progress: Progress | None) -> Callable[[int], None]:
+    """Count bytes hashed and report (done, total) to ``progress``."""
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress:
+            progress(done, total)
+
+    return tick
+
+
 def build_manifest(
     paths: list[Path] | Path | GGUFModel,
     piece_size: int = DEFAULT_PIECE_SIZE,
@@ -202,63 +243,22 @@ def build_manifest(
 
     pieces: list[PieceHash] = []
     entries: list[TensorEntry] = []
-    header_pieces: list[int] = []
     per_file: list[tuple[Path, list[PieceHash], list[TensorEntry]]] = []
     for path in model.paths:
-        size = path.stat().st_size
-        file_tensors = [t for t in model.tensors if t.file == path.name]
-        file_pieces: list[PieceHash] = []
-        for region in _regions(file_tensors, size):
-            for off in range(region.start, region.end, piece_size):
-                p = PieceHash(
-                    index=len(pieces),
-                    file=path.name,
-                    offset=off,
-                    length=min(piece_size, region.end - off),
-                    sha256="",
-                    region=region.name,
-                )
-                pieces.append(p)
-                file_pieces.append(p)
-                if region.name == HEADER:
-                    header_pieces.append(p.index)
-        file_entries = []
-        for t in file_tensors:
-            end = t.offset + t.nbytes
-            file_entries.append(
-                TensorEntry(
-                    name=t.name,
-                    file=path.name,
-                    offset=t.offset,
-                    nbytes=t.nbytes,
-                    ggml_type=t.ggml_type.name,
-                    shape=list(t.shape),
-                    layer=t.layer,
-                    pieces=[p.index for p in file_pieces if p.offset < end and p.offset + p.length > t.offset],
-                )
-            )
+        file_pieces, file_entries = _layout(
+            path, [t for t in model.tensors if t.file == path.name], piece_size, len(pieces)
+        )
+        pieces += file_pieces
         entries += file_entries
         per_file.append((path, file_pieces, file_entries))
+    header_pieces = [p.index for p in pieces if p.region == HEADER]
 
-    total = sum(p.length for p in pieces)
-    done = 0
-
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress:
-            progress(done, total)
-
+    tick = _ticker(sum(p.length for p in pieces), progress)
     file_hashes = [
         FileHash(name=path.name, size=path.stat().st_size, sha256=_hash_file(path, fp, fe, tick))
         for path, fp, fe in per_file
     ]
-
-    layer_map: dict[str, list[int]] = {}
-    for layer in range(model.n_layers):
-        idx = sorted({i for e in entries if e.layer == layer for i in e.pieces})
-        layer_map[str(layer)] = idx
-
+    layer_map = {str(i): sorted({p for e in entries if e.layer == i for p in e.pieces}) for i in range(model.n_layers)}
     preset_name = model_preset or models.preset_for(model.paths[0])
     preset = models.PRESETS.get(preset_name)
     return ArtifactManifest(

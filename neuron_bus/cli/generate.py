@@ -14,8 +14,44 @@ from rich.table import Table
 
 from neuron_bus import messages as M
 from neuron_bus.cli.app import NatsOption, app, fail
-from neuron_bus.client import NeuronClient, RouteError
+from neuron_bus.client import NeuronClient, Prepared, RouteError
 from neuron_bus.models import DEFAULT_PRESET
+
+
+class GenerationBar:
+    """The progress bar on stderr: prefill progress, then tokens and rolling tok/s."""
+
+    def __init__(self, console: Console, prompt_tokens: int, max_tokens: int, disable: bool):
+        self.max_tokens = max_tokens
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+            disable=disable,
+        )
+        self.task = self.progress.add_task("prefill", total=prompt_tokens, rate="")
+
+    def telemetry(self, ev: M.GenerationTelemetry) -> None:
+        if ev.phase == "prefill":
+            self.progress.update(self.task, completed=ev.prefill_tokens_done, description="prefill")
+        elif ev.phase == "decode":
+            rate = f"{ev.rolling_tokens_per_second:.1f} tok/s"
+            self.progress.update(self.task, completed=ev.generated_tokens, total=self.max_tokens, rate=rate)
+            self.progress.update(self.task, description="decode")
+
+    def token(self, generated: int) -> None:
+        self.progress.update(self.task, completed=generated, total=self.max_tokens, description="decode")
+
+    def __enter__(self) -> GenerationBar:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
 
 
 async def run_generation(
@@ -34,70 +70,50 @@ async def run_generation(
 ) -> dict:
     """Stream one generation: text to ``out``, a progress bar and tok/s to stderr."""
     err = Console(stderr=True)
+    started = time.monotonic()
+    deltas: list[M.TokenDelta] = []
+    first = None
     async with await NeuronClient.connect(url) as client:
-        route = await client.route(model, wire_dtype, encoding, policy=policy)
-        req = (
-            M.TokenizeRequest(messages=[{"role": "user", "content": prompt}])
-            if chat
-            else M.TokenizeRequest(text=prompt)
-        )
-        tok = await client.control(route.hops[0].node_id, req)
-        tokens, text = [], []
-        finish = session_id = None
-        started = time.monotonic()
-        first = None
-        with Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            TaskProgressColumn(),
-            TextColumn("{task.fields[rate]}"),
-            TimeElapsedColumn(),
-            console=err,
-            transient=True,
-            disable=as_json or not err.is_terminal,
-        ) as bar:
-            task = bar.add_task("prefill", total=len(tok.tokens), rate="")
-            async for ev in client.generate(
-                prompt_tokens=tok.tokens,
-                route=route,
+        text = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+        p = await client.prepare(model, **text, policy=policy, wire_dtype=wire_dtype, encoding=encoding)
+        with GenerationBar(err, len(p.prompt_tokens), sampling.max_tokens, as_json or not err.is_terminal) as bar:
+            gen = client.generate(
+                prompt_tokens=p.prompt_tokens,
+                route=p.route,
                 sampling=sampling,
                 model_preset=model,
                 chunk_size=chunk_size,
                 policy=policy,
-            ):
+            )
+            async for ev in gen:
                 if isinstance(ev, M.GenerationTelemetry):
-                    if ev.phase == "prefill":
-                        bar.update(task, completed=ev.prefill_tokens_done, description="prefill")
-                    elif ev.phase == "decode":
-                        bar.update(
-                            task,
-                            completed=ev.generated_tokens,
-                            total=sampling.max_tokens,
-                            description="decode",
-                            rate=f"{ev.rolling_tokens_per_second:.1f} tok/s",
-                        )
+                    bar.telemetry(ev)
                     continue
                 first = first or time.monotonic()
-                session_id = ev.session_id
-                tokens.append(ev.token_id)
-                text.append(ev.text)
-                finish = ev.finish_reason
+                deltas.append(ev)
                 if not as_json:
                     out.write(ev.text)
                     out.flush()
-                bar.update(task, completed=len(tokens), total=sampling.max_tokens, description="decode")
-        elapsed = time.monotonic() - started
-    rate = (len(tokens) - 1) / (time.monotonic() - first) if first and len(tokens) > 1 else 0.0
+                bar.token(len(deltas))
+    elapsed = time.monotonic() - started
+    rate = (len(deltas) - 1) / (time.monotonic() - first) if first and len(deltas) > 1 else 0.0
+    return report(p, deltas, rate, elapsed, as_json, out, err)
+
+
+def report(
+    p: Prepared, deltas: list[M.TokenDelta], rate: float, elapsed: float, as_json: bool, out, err: Console
+) -> dict:
+    route = p.route
     result = {
         "route_id": route.route_id,
         "nodes": [h.node_id for h in route.hops],
         "policy": route.policy,
-        "session_id": session_id,
+        "session_id": deltas[0].session_id if deltas else None,
         "trust_tiers": [h.trust_tier for h in route.hops],
-        "prompt_tokens": tok.tokens,
-        "tokens": tokens,
-        "text": "".join(text),
-        "finish_reason": finish,
+        "prompt_tokens": p.prompt_tokens,
+        "tokens": [d.token_id for d in deltas],
+        "text": "".join(d.text for d in deltas),
+        "finish_reason": deltas[-1].finish_reason if deltas else None,
         "decode_tokens_per_second": round(rate, 2),
         "elapsed_s": round(elapsed, 3),
     }
@@ -106,7 +122,8 @@ async def run_generation(
     else:
         out.write("\n")
         err.print(
-            f"[dim]{len(tokens)} tokens, {rate:.1f} tok/s, route {' -> '.join(result['nodes'])}, finish: {finish}[/dim]"
+            f"[dim]{len(deltas)} tokens, {rate:.1f} tok/s, route {' -> '.join(result['nodes'])}, "
+            f"finish: {result['finish_reason']}[/dim]"
         )
     return result
 

@@ -41,6 +41,52 @@ def wait_for_signal() -> int:
     return received[0]
 
 
+def security(auth: Path | None, tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None):
+    """The config blocks for --auth and TLS, and the options provisioning connects with."""
+    from neuron_bus.trust.permissions import tls_block
+
+    extra, connect_opts = [], {}
+    if auth is not None:
+        if not auth.is_file():
+            fail(f"no such auth file: {auth}")
+        extra.append(auth.read_text())
+    if (tls_cert is None) != (tls_key is None):
+        fail("--tls-cert and --tls-key go together")
+    if tls_cert is not None:
+        import ssl
+
+        extra.append(tls_block(tls_cert, tls_key))
+        connect_opts["tls"] = ssl.create_default_context(cafile=str(tls_ca or tls_cert))
+    return extra, connect_opts
+
+
+def admin_url(url: str, password_file: Path | None) -> str:
+    """With --auth, provisioning connects as the admin role."""
+    import json
+
+    from neuron_bus.trust.permissions import role_url
+
+    if password_file is None or not password_file.is_file():
+        fail("with --auth, provisioning connects as admin: give --password-file (or --no-provision)")
+    return role_url(url, "admin", json.loads(password_file.read_text())["admin"])
+
+
+def start_server(cfg: ServerConfig, url: str, replicas: int, prefill_window: int | None, connect_opts: dict):
+    """Start the server and (unless ``prefill_window`` is None) create the topology; fail in one line."""
+    srv = NatsServer(cfg)
+    try:
+        srv.start()
+        # In a cluster, JetStream needs a quorum of peers before streams can be created.
+        names = asyncio.run(provision(url, replicas, prefill_window, **connect_opts)) if prefill_window else []
+    except ServerError as exc:
+        srv.stop()
+        fail(str(exc))
+    except Exception as exc:  # provisioning failed: do not leave the server running
+        srv.stop()
+        fail(f"could not create streams and buckets: {exc}")
+    return srv, names
+
+
 @app.command()
 def server(
     host: str = typer.Option("127.0.0.1", help="Address to bind (client, monitoring, cluster)."),
@@ -70,20 +116,7 @@ def server(
     ),
 ) -> None:
     """Start the embedded nats-server with JetStream; stop cleanly on SIGINT/SIGTERM."""
-    from neuron_bus.trust.permissions import role_url, tls_block
-
-    extra, connect_opts = [], {}
-    if auth is not None:
-        if not auth.is_file():
-            fail(f"no such auth file: {auth}")
-        extra.append(auth.read_text())
-    if (tls_cert is None) != (tls_key is None):
-        fail("--tls-cert and --tls-key go together")
-    if tls_cert is not None:
-        import ssl
-
-        extra.append(tls_block(tls_cert, tls_key))
-        connect_opts["tls"] = ssl.create_default_context(cafile=str(tls_ca or tls_cert))
+    extra, connect_opts = security(auth, tls_cert, tls_key, tls_ca)
     cfg = ServerConfig(
         store_dir=store_dir.resolve(),
         host=host,
@@ -98,22 +131,8 @@ def server(
     )
     url = cfg.client_url.replace("nats://", "tls://") if tls_cert else cfg.client_url
     if auth is not None and provision_topology:
-        import json
-
-        if password_file is None or not password_file.is_file():
-            fail("with --auth, provisioning connects as admin: give --password-file (or --no-provision)")
-        url = role_url(url, "admin", json.loads(password_file.read_text())["admin"])
-    srv = NatsServer(cfg)
-    try:
-        srv.start()
-        # In a cluster, JetStream needs a quorum of peers before streams can be created.
-        names = asyncio.run(provision(url, replicas, prefill_window, **connect_opts)) if provision_topology else []
-    except ServerError as exc:
-        srv.stop()
-        fail(str(exc))
-    except Exception as exc:  # provisioning failed: do not leave the server running
-        srv.stop()
-        fail(f"could not create streams and buckets: {exc}")
+        url = admin_url(url, password_file)
+    srv, names = start_server(cfg, url, replicas, prefill_window if provision_topology else None, connect_opts)
     typer.echo(f"nats-server ready on {srv.url} (pid {srv.pid}, monitoring http://{host}:{http_port})")
     if names:
         typer.echo("topology: " + ", ".join(names))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import tempfile
+import threading
 from pathlib import Path
 
 import typer
@@ -13,9 +14,12 @@ from rich.console import Console
 from neuron_bus import messages as M
 from neuron_bus import models
 from neuron_bus.cli.app import app, fail
-from neuron_bus.cli.server import wait_for_signal
+from neuron_bus.cli.generate import run_generation
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.local_swarm import LocalSwarm
+from neuron_bus.supervisor import Supervisor
+
+CHECK_EVERY_S = 0.5
 
 
 @app.command()
@@ -39,10 +43,7 @@ def up(
     console = Console(stderr=True)
     try:
         path = models.resolve(model)
-    except models.UnknownModel as exc:
-        fail(str(exc))
-    work = workdir or Path(tempfile.mkdtemp(prefix="neuron-bus-up-"))
-    try:
+        work = workdir or Path(tempfile.mkdtemp(prefix="neuron-bus-up-"))
         swarm = LocalSwarm(
             path,
             shards,
@@ -53,33 +54,12 @@ def up(
             http_port=http_port,
             gateway_port=port or None,
         )
-    except (NeuronBusError, ValueError) as exc:  # a bad model file, or no loadable split into --shards
+    except (NeuronBusError, ValueError) as exc:  # an unknown or bad model file, or no loadable split into --shards
         fail(str(exc))
-    try:
-        with console.status("starting the swarm") as status:
-            swarm.start(on_step=lambda text: status.update(f"starting: {text}"))
-    except NeuronBusError as exc:
-        swarm.stop()
-        fail(f"{exc} (logs in {work})")
-    except BaseException:
-        swarm.stop()
-        raise
-    console.print(
-        f"[green]swarm up[/green]: {swarm.preset}, {len(swarm.workers)} workers on {swarm.url}; logs in {work}"
-    )
-    for w in swarm.workers:
-        console.print(f"  {w.node_id}: layers {w.layers[0]}-{w.layers[1] - 1}")
-    if swarm.gateway_url:
-        console.print(
-            f"gateway: {swarm.gateway_url}  (web page; OpenAI API at {swarm.gateway_url}/v1; /metrics, /healthz)"
-        )
-    console.print(
-        f'try: neuron-bus generate "Tell me about the sea" --nats {swarm.url}    (Ctrl-C here stops the swarm)'
-    )
+    start(swarm, console)
+    stop = stop_requested()
     try:
         if prompt:
-            from neuron_bus.cli.generate import run_generation
-
             asyncio.run(
                 run_generation(
                     swarm.url,
@@ -93,10 +73,51 @@ def up(
                     as_json=False,
                 )
             )
-        wait_for_signal()
-    except KeyboardInterrupt:
-        pass
+        supervise(swarm, console, stop)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         console.print("stopping the swarm")
         swarm.stop()
+
+
+def start(swarm: LocalSwarm, console: Console) -> None:
+    """Start every process (a progress line per step) and say what is up where."""
+    try:
+        with console.status("starting the swarm") as status:
+            swarm.start(on_step=lambda text: status.update(f"starting: {text}"))
+    except NeuronBusError as exc:
+        swarm.stop()
+        fail(f"{exc} (logs in {swarm.workdir})")
+    except BaseException:
+        swarm.stop()
+        raise
+    console.print(
+        f"[green]swarm up[/green]: {swarm.preset}, {len(swarm.workers)} workers on {swarm.url}; logs in {swarm.workdir}"
+    )
+    for w in swarm.workers:
+        console.print(f"  {w.node_id}: layers {w.layers[0]}-{w.layers[1] - 1}")
+    if swarm.gateway_url:
+        console.print(
+            f"gateway: {swarm.gateway_url}  (web page; OpenAI API at {swarm.gateway_url}/v1; /metrics, /healthz)"
+        )
+    console.print(
+        f'try: neuron-bus generate "Tell me about the sea" --nats {swarm.url}    (Ctrl-C here stops the swarm)'
+    )
+
+
+def stop_requested() -> threading.Event:
+    """An event set by Ctrl-C or SIGTERM."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda _sig, _frame: stop.set())
+    return stop
+
+
+def supervise(swarm: LocalSwarm, console: Console, stop: threading.Event) -> None:
+    """Report every child that exits and restart the ones that can be, until ``stop`` (or a fatal exit)."""
+    supervisor = Supervisor(swarm)
+    while not stop.wait(CHECK_EVERY_S):
+        for report in supervisor.check():
+            console.print(f"[red]{report.message}[/red]" if report.fatal else f"[yellow]{report.message}[/yellow]")
+            if report.fatal:
+                raise typer.Exit(1)

@@ -8,6 +8,8 @@ import signal
 import socket
 import time
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import typer
@@ -16,9 +18,13 @@ from neuron_bus import messages as M
 from neuron_bus import models
 from neuron_bus.artifacts.cuts import check_cut, layer_kinds
 from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFModel, parse_layers
+from neuron_bus.artifacts.work import owned_layer_work
 from neuron_bus.cli.app import NatsOption, app, fail
 from neuron_bus.execution import DEFAULT_N_CTX, BackendError, open_range, open_tokenizer
+from neuron_bus.subjects import check_token
 from neuron_bus.topology import connect, ensure_topology
+from neuron_bus.trust import fault as faults
+from neuron_bus.worker.service import WorkerOptions
 
 
 def slowed(tokens_per_second: float, positions_per_call: int, slow_ms: float) -> float:
@@ -58,7 +64,31 @@ def build_report(
     )
 
 
-async def fetch_slice(url: str, artifact_id: str, layers: str):
+@dataclass
+class Source:
+    """What a worker serves: the file to load, its range, and what the bus calls it."""
+
+    path: Path
+    start: int
+    end: int
+    preset: str
+    revision: str
+    artifact_id: str
+    kinds: list[str]  # the whole model's layer kinds ([] unknown)
+    gguf: GGUFModel | None = None  # the whole model, when it is on this machine
+
+
+def local_source(model: str, layers: str) -> Source:
+    """A model on this machine (a preset or a path), and the range of it to serve."""
+    path = models.resolve(model)
+    gguf = GGUFModel(path)
+    start, end = parse_layers(layers, gguf.n_layers)
+    kinds = [] if gguf.field(META_PREFIX + "layer_start") is not None else layer_kinds(gguf)  # a slice: unknown
+    check_cut(kinds, start, end)
+    return Source(path, start, end, models.preset_for(path), models.revision(path), "", kinds, gguf)
+
+
+async def fetch_slice(url: str, artifact_id: str, layers: str) -> Source:
     """The verified slice of ``layers`` of an artifact, from the local cache or the shard swarm."""
     from neuron_bus.artifacts.manifest import n_layers
     from neuron_bus.artifacts.swarm import fetch_manifest, resolve_artifact
@@ -73,7 +103,7 @@ async def fetch_slice(url: str, artifact_id: str, layers: str):
         path = await resolve_artifact(js, artifact_id, start, end, models.cache_dir() / "artifacts")
     finally:
         await nc.close()
-    return path, start, end, manifest.model_preset, kinds
+    return Source(path, start, end, manifest.model_preset, artifact_id, artifact_id, kinds)
 
 
 async def serve(url: str, backend, tokenizer, report: M.CapabilityReport, options, metrics_port: int | None) -> None:
@@ -128,55 +158,33 @@ def worker(
     ),
 ) -> None:
     """Load a layer range of a GGUF model and serve every route assigned to it."""
-    from neuron_bus.worker.service import WorkerOptions
-
     if (model is None) == (artifact is None):
         fail("give exactly one of --model or --artifact")
     node_id = node_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-    from neuron_bus.artifacts.work import owned_layer_work
-    from neuron_bus.trust import fault as faults
-
     try:  # the cheap checks first: loading the model takes seconds
         fault = faults.check(fault)
+        check_token(node_id, "node id")
     except ValueError as exc:
         fail(str(exc))
     if snapshot_every < 0:
         fail("--snapshot-every must be 0 (off) or positive")
+    opts = (
+        {"dtype": dtype}
+        if backend == "torch"
+        else {"n_ctx": n_ctx, "max_sessions": max_sessions, "flash_attn": flash_attn}
+    )
     try:
-        from neuron_bus.subjects import check_token
-
-        check_token(node_id, "node id")
-        gguf = None
-        if artifact:
-            path, start, end, preset, kinds = asyncio.run(fetch_slice(nats, artifact, layers))
-            revision, artifact_id = artifact, artifact
-        else:
-            path = models.resolve(model)
-            gguf = GGUFModel(path)
-            start, end = parse_layers(layers, gguf.n_layers)
-            kinds = [] if gguf.field(META_PREFIX + "layer_start") is not None else layer_kinds(gguf)  # a slice: unknown
-            check_cut(kinds, start, end)
-            preset, revision, artifact_id = models.preset_for(path), models.revision(path), ""
-        opts = (
-            {"dtype": dtype}
-            if backend == "torch"
-            else {"n_ctx": n_ctx, "max_sessions": max_sessions, "flash_attn": flash_attn}
-        )
-        be = open_range(backend, path, start, end, threads=threads, **opts)
-        tok = open_tokenizer(path)
-        work = owned_layer_work(gguf or path, be.layer_start, be.layer_end, be.n_layers)
+        src = asyncio.run(fetch_slice(nats, artifact, layers)) if artifact else local_source(model, layers)
+        be = open_range(backend, src.path, src.start, src.end, threads=threads, **opts)
+        tok = open_tokenizer(src.path)
+        work = owned_layer_work(src.gguf or src.path, be.layer_start, be.layer_end, be.n_layers)
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
-    report = build_report(node_id, be, preset, revision, artifact_id, trust_tier, slow_ms, kinds)
+    report = build_report(node_id, be, src.preset, src.revision, src.artifact_id, trust_tier, slow_ms, src.kinds)
     options = WorkerOptions(
-        idle_timeout=idle_timeout,
-        max_decode_batch=max_decode_batch,
-        slow_ms=slow_ms,
-        snapshot_every=snapshot_every,
-        snapshot_url=snapshot_nats,
-        owned_layer_work=work,
-        fault=fault,
-    )
+        idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms, snapshot_every=snapshot_every,
+        snapshot_url=snapshot_nats, owned_layer_work=work, fault=fault,
+    )  # fmt: skip
     try:
         asyncio.run(serve(nats, be, tok, report, options, metrics_port))
     finally:

@@ -16,6 +16,7 @@ from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from neuron_bus import messages as M
+from neuron_bus import session_events
 from neuron_bus import subjects as S
 from neuron_bus.client import STALL_TIMEOUT_S, NeuronClient, RouteError
 from neuron_bus.gateway.metrics import GatewayMetrics
@@ -166,15 +167,14 @@ class Bus:
             )
         req.model = model
         try:
-            route = await self.client.route(model, policy=req.policy)
-            tokens = req.prompt_tokens
-            if tokens is None:
-                tokenize = M.TokenizeRequest(text=req.prompt, messages=req.messages)
-                tokens = (await self.client.control(route.hops[0].node_id, tokenize)).tokens
+            p = await self.client.prepare(
+                model, prompt=req.prompt, messages=req.messages, prompt_tokens=req.prompt_tokens, policy=req.policy
+            )
         except RouteError as exc:
+            if exc.reason == "empty_prompt":
+                raise ApiError(422, "the prompt has no tokens", param="prompt", code="empty_prompt") from None
             raise route_api_error(exc) from None
-        if not tokens:
-            raise ApiError(422, "the prompt has no tokens", param="prompt", code="empty_prompt")
+        route, tokens = p.route, p.prompt_tokens
         if len(tokens) + req.sampling.max_tokens > self.limits.max_context:
             raise ApiError(
                 413,
@@ -230,16 +230,15 @@ class Bus:
 
             return cb
 
+        # the latest telemetry, then every token and error from the start: the stream keeps them
         subs = [
             await js.subscribe(
-                S.telemetry(session_id), cb=into("telemetry"), ordered_consumer=True, deliver_policy=DeliverPolicy.LAST
-            ),
-            await js.subscribe(
-                S.session_tokens(session_id), cb=into("token"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
-            ),
-            await js.subscribe(
-                S.session_error(session_id), cb=into("error"), ordered_consumer=True, deliver_policy=DeliverPolicy.ALL
-            ),
+                subject(session_id),
+                cb=into(kind),
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.LAST if kind == "telemetry" else DeliverPolicy.ALL,
+            )
+            for kind, subject in session_events.SUBJECTS
         ]
         last_phase, timeout = "queued", STALL_TIMEOUT_S
         try:
@@ -252,24 +251,17 @@ class Bus:
                     raise RouteError(
                         "stalled", f"session {session_id}: no progress for {timeout:.0f}s", phase=last_phase
                     ) from None
-                if kind == "error":
-                    err = M.decode(data, M.SessionError)
-                    if err.fatal:
-                        raise RouteError(err.code, err.message, phase=err.phase, node_id=err.node_id)
+                event = session_events.read(kind, data, last_phase)
+                if event is None:
                     continue
-                if kind == "telemetry":
-                    t = M.decode(data, M.GenerationTelemetry)
-                    if t.phase == "failed":
-                        raise RouteError("route_failed", t.failure_reason or "route failed", phase=last_phase)
-                    last_phase = t.phase
-                    if t.phase == "done":
-                        timeout = ATTACH_GRACE_S
-                    yield t
+                if isinstance(event, M.GenerationTelemetry):
+                    last_phase = event.phase
+                    timeout = ATTACH_GRACE_S if event.phase == "done" else timeout
+                    yield event
                     continue
-                delta = M.decode(data, M.TokenDelta)
                 last_phase = "decode"
-                yield delta
-                if delta.finished:
+                yield event
+                if event.finished:
                     return
         finally:
             for sub in subs:
