@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from neuron_bus import messages as M
@@ -122,8 +122,8 @@ class NeuronClient:
         prompt_tokens: list[int] | None = None,
         route: M.RouteAssignment | None = None,
         policy: str = "public",
-        wire_dtype: str = "f32",
-        encoding: str = "raw",
+        wire_dtype: M.WireDtype = "f32",
+        encoding: M.Encoding = "raw",
         avoid: set[str] | frozenset[str] = frozenset(),
     ) -> Prepared:
         """A route (``route``, or one from the tracker avoiding the nodes in ``avoid``) and the
@@ -141,8 +141,8 @@ class NeuronClient:
     async def route(
         self,
         model_preset: str = DEFAULT_PRESET,
-        wire_dtype: str = "f32",
-        encoding: str = "raw",
+        wire_dtype: M.WireDtype = "f32",
+        encoding: M.Encoding = "raw",
         avoid: set[str] | frozenset[str] = frozenset(),
         **pins,
     ) -> M.RouteAssignment:
@@ -155,7 +155,9 @@ class NeuronClient:
                 return route
             await asyncio.sleep(0.5)
 
-    async def _route(self, model_preset: str, wire_dtype: str, encoding: str, **pins) -> M.RouteAssignment:
+    async def _route(
+        self, model_preset: str, wire_dtype: M.WireDtype, encoding: M.Encoding, **pins
+    ) -> M.RouteAssignment:
         req = M.RouteRequest(
             request_id=uuid.uuid4().hex, model_preset=model_preset, wire_dtype=wire_dtype, encoding=encoding, **pins
         )
@@ -180,14 +182,14 @@ class NeuronClient:
         prompt_tokens: list[int] | None = None,
         sampling: M.SamplingParams | None = None,
         model_preset: str = DEFAULT_PRESET,
-        wire_dtype: str = "f32",
-        encoding: str = "raw",
+        wire_dtype: M.WireDtype = "f32",
+        encoding: M.Encoding = "raw",
         chunk_size: int = 256,
         route: M.RouteAssignment | None = None,
         prefill_retries: int = PREFILL_RETRIES,
         repair: bool = True,
         policy: str = "public",
-    ) -> AsyncIterator[M.TokenDelta | M.GenerationTelemetry]:
+    ) -> AsyncGenerator[M.TokenDelta | M.GenerationTelemetry, None]:
         """Yield telemetry and token deltas; raise RouteError on a failed route.
 
         A route that fails before the first token is retried from scratch on a new route
@@ -219,8 +221,8 @@ class NeuronClient:
         *,
         messages: list[dict[str, str]] | None = None,
         model_preset: str = DEFAULT_PRESET,
-        wire_dtype: str = "f32",
-        encoding: str = "raw",
+        wire_dtype: M.WireDtype = "f32",
+        encoding: M.Encoding = "raw",
         route: M.RouteAssignment | None = None,
         **kwargs,
     ) -> Generation:

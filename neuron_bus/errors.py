@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from neuron_bus.messages import Phase
+
 
 class NeuronBusError(Exception):
     """Base of every error neuron-bus raises on purpose."""
@@ -31,7 +36,7 @@ class ServerError(NeuronBusError):
 class RouteError(NeuronBusError):
     """A generation that could not run or did not finish: carries the phase, node and reason."""
 
-    def __init__(self, reason: str, message: str, phase: str = "queued", node_id: str | None = None):
+    def __init__(self, reason: str, message: str, phase: Phase = "queued", node_id: str | None = None):
         super().__init__(reason, message)
         self.phase = phase
         self.node_id = node_id

@@ -53,8 +53,8 @@ class GenerationRun:
         *,
         sampling: M.SamplingParams,
         model_preset: str,
-        wire_dtype: str,
-        encoding: str,
+        wire_dtype: M.WireDtype,
+        encoding: M.Encoding,
         chunk_size: int,
         policy: str,
         route: M.RouteAssignment | None,
@@ -82,6 +82,18 @@ class GenerationRun:
         self.generated: list[int] = []  # token ids delivered, in order
         self.lost: set[str] = set()
         self.retries = self.repairs = 0
+
+    @property
+    def live_route(self) -> M.RouteAssignment:
+        """The route the session runs on (once it has started)."""
+        assert self.route is not None, "the generation has not started"
+        return self.route
+
+    @property
+    def tokens(self) -> list[int]:
+        """The prompt's token ids (once it has started)."""
+        assert self.prompt_tokens is not None, "the generation has not started"
+        return self.prompt_tokens
 
     # ------------------------------------------------------------------ the whole run
 
@@ -137,21 +149,19 @@ class GenerationRun:
         await self._follow_route()
         self.progress.finish("loading")
         await self._publish_progress()
-        self.progress.prefill_total = len(self.prompt_tokens)
+        self.progress.prefill_total = len(self.tokens)
         await self._open_hops()
         self.progress.prefill(0)
         await self._publish_progress()
-        self.sender = asyncio.create_task(self._send_prompt(self.prompt_tokens))
+        self.sender = asyncio.create_task(self._send_prompt(self.tokens))
 
     async def _open_hops(self) -> None:
         """Open the session on every hop at once (a WAN makes each request cost a round trip)."""
-        hops = self.route.hops
+        hops = self.live_route.hops
         tail = len(hops) - 1
         results = await asyncio.gather(
             *(
-                self.client.control(
-                    h.node_id, self._session_open(i, prompt=list(self.prompt_tokens) if i == tail else None)
-                )
+                self.client.control(h.node_id, self._session_open(i, prompt=list(self.tokens) if i == tail else None))
                 for i, h in enumerate(hops)
             ),
             return_exceptions=True,
@@ -162,10 +172,10 @@ class GenerationRun:
                 raise r
 
     def _session_open(self, hop_index: int, prompt: list[int] | None) -> M.SessionOpen:
-        n = len(self.prompt_tokens)
+        n = len(self.tokens)
         return M.SessionOpen(
             session_id=self.session_id,
-            route=self.route,
+            route=self.live_route,
             hop_index=hop_index,
             prompt_tokens=n,
             n_ctx=n + self.sampling.max_tokens,
@@ -179,8 +189,8 @@ class GenerationRun:
         if self.watcher:
             self.watcher.cancel()
         await self._unsubscribe(self.heartbeat_subs)
-        self.progress.route_id = self.route.route_id
-        self.progress.nodes = [h.node_id for h in self.route.hops]
+        self.progress.route_id = self.live_route.route_id
+        self.progress.nodes = [h.node_id for h in self.live_route.hops]
         self.watcher = await self._watch_nodes(self.progress.nodes)
 
     async def _watch_nodes(self, nodes: list[str]) -> asyncio.Task:
@@ -210,9 +220,9 @@ class GenerationRun:
     async def _send_prompt(self, tokens: list[int], start: int = 0) -> None:
         """Send positions [start, len(tokens)) to hop 0 in chunks (the prompt, or a repair's replay)."""
         ids = np.asarray(tokens, dtype=np.int32)
-        subject = S.hop_input(self.route.route_id, 0, "prefill")
+        subject = S.hop_input(self.live_route.route_id, 0, "prefill")
         for seq, lo in enumerate(range(start, len(ids), self.chunk_size)):
-            header = hop_header(self.route, 0, self.session_id, lo, "prefill", seq, "i32")
+            header = hop_header(self.live_route, 0, self.session_id, lo, "prefill", seq, "i32")
             headers, body = codec.encode(header, ids[lo : lo + self.chunk_size])
             await publish(self.client.js, subject, body, headers)
 
@@ -230,7 +240,7 @@ class GenerationRun:
             except TimeoutError:
                 raise RouteError(
                     "stalled",
-                    f"no progress from route {self.route.route_id} for {STALL_TIMEOUT_S:.0f}s",
+                    f"no progress from route {self.live_route.route_id} for {STALL_TIMEOUT_S:.0f}s",
                     phase=last_phase,
                 ) from None
             if kind == "lost":
@@ -264,10 +274,10 @@ class GenerationRun:
             raise exc
         self.repairs += 1
         self.lost.add(exc.node_id)
-        spec = self._session_open(0, prompt=list(self.prompt_tokens))
+        spec = self._session_open(0, prompt=list(self.tokens))
         try:
             self.route, start, node = await repair_route(
-                self.client, self.route, exc.node_id, spec, list(self.generated), self.repairs, self.lost
+                self.client, self.live_route, exc.node_id, spec, list(self.generated), self.repairs, self.lost
             )
         except RouteError as failed:
             raise RouteError(
@@ -275,7 +285,7 @@ class GenerationRun:
             ) from None
         self.opened[:] = [n for n in self.opened if n != exc.node_id] + [node.node_id]
         await self._follow_route()
-        self.sender = asyncio.create_task(self._send_prompt(self.prompt_tokens + self.generated, start=start))
+        self.sender = asyncio.create_task(self._send_prompt(self.tokens + self.generated, start=start))
         return False
 
     async def _report_failure(self, exc: RouteError) -> None:
@@ -292,7 +302,7 @@ class GenerationRun:
 
     async def _close_sessions(self) -> None:
         """Free the session on every hop that holds it, all at once; a node that is gone took its cache with it."""
-        close = M.SessionClose(session_id=self.session_id, route_id=self.route.route_id)
+        close = M.SessionClose(session_id=self.session_id, route_id=self.live_route.route_id)
         await asyncio.gather(*(self.client.control(n, close, timeout=5) for n in self.opened), return_exceptions=True)
         self.opened.clear()
 

@@ -27,6 +27,7 @@ WireDtype = Literal["f32", "bf16", "i32"]
 Encoding = Literal["raw", "zstd"]
 RoutePolicy = Literal["public", "private", "paid-trusted"]
 TrustTier = Literal["untrusted", "trusted", "paid-trusted"]
+FinishReason = Literal["stop", "length", "error"]
 
 
 class Struct(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
@@ -325,7 +326,7 @@ class TokenDelta(Struct):
     logprob: float | None = None
     top_logprobs: dict[str, float] | None = None
     finished: bool = False
-    finish_reason: Literal["stop", "length", "error"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class GenerationTelemetry(Struct):
@@ -612,7 +613,7 @@ class CoverageReport(Struct, tag_field="type", tag="coverage"):
     nodes: list[TrackedNode] = []
 
 
-ALL_MESSAGES: tuple[type[Struct], ...] = (
+ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     CapabilityReport,
     NodeHeartbeat,
     RouteRequest,
@@ -649,16 +650,16 @@ ALL_MESSAGES: tuple[type[Struct], ...] = (
 _encoder = msgspec.json.Encoder()
 
 
-def encode(msg: Struct) -> bytes:
+def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes, kind):
+def decode(data: bytes | None, kind):
     """Decode JSON into ``kind``; raise :class:`MalformedMessage` with a clear reason otherwise."""
     from neuron_bus.errors import MalformedMessage
 
     try:
-        return msgspec.json.decode(data, type=kind)
+        return msgspec.json.decode(data or b"", type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         name = (
             getattr(kind, "__name__", None)

@@ -6,7 +6,13 @@ from neuron_bus import messages as M
 
 
 def hop_header(
-    route: M.RouteAssignment, hop_index: int, session_id: str, position: int, phase: str, seq: int, dtype: str
+    route: M.RouteAssignment,
+    hop_index: int,
+    session_id: str,
+    position: int,
+    phase: M.ActivationPhase,
+    seq: int,
+    dtype: M.WireDtype,
 ) -> M.ActivationHeader:
     """The session state key of a message into hop ``hop_index`` of ``route``."""
     hop = route.hops[hop_index]

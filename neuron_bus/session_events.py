@@ -18,7 +18,7 @@ SUBJECTS = (("token", S.session_tokens), ("error", S.session_error), ("telemetry
 Event = M.TokenDelta | M.GenerationTelemetry
 
 
-def read(kind: str, data: bytes, last_phase: str) -> Event | None:
+def read(kind: str, data: bytes, last_phase: M.Phase) -> Event | None:
     """The event in one message of a session's subjects (None: a rejected stray message, the
     session goes on); raises RouteError when the session failed."""
     if kind == "error":

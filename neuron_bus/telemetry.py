@@ -29,7 +29,7 @@ class GenerationProgress:
         self.prefill_done = 0
         self.generated = 0
         self.failure_reason: str | None = None
-        self.failure_phase: str | None = None
+        self.failure_phase: M.Phase | None = None
         self.failure_node: str | None = None
         self._first_token_at: float | None = None
         self._recent: deque[float] = deque()
@@ -55,7 +55,7 @@ class GenerationProgress:
         if reason:
             self.failure_reason = reason
 
-    def fail(self, reason: str, phase: str | None = None, node_id: str | None = None) -> None:
+    def fail(self, reason: str, phase: M.Phase | None = None, node_id: str | None = None) -> None:
         """The session failed: remember the last real phase and the node it failed at."""
         self.failure_phase = phase if phase and phase != "failed" else self.phase
         self.failure_node = node_id

@@ -181,6 +181,7 @@ async def ensure_topology(
     """
     topo = topology(replicas, prefill_window)
     for cfg in topo.streams:
+        assert cfg.name is not None
         try:
             await js.stream_info(cfg.name)
         except NotFoundError:
@@ -198,6 +199,7 @@ async def ensure_topology(
         except (NotFoundError, nats.js.errors.BucketNotFoundError):
             await js.create_key_value(kv)
     for obj in topo.objects:
+        assert obj.bucket is not None
         await object_store(js, obj.bucket)
     return topo
 

@@ -135,7 +135,7 @@ class LayerOutputTap:
         self.node = LAYER_OUTPUT_NODE.format(il=n_layer - 1).encode()
         self.n_embd = n_embd
         self.armed = False  # only decodes of a non-tail hop read the boundary
-        self._chunks: list[np.ndarray] = []
+        self._chunks: list[np.ndarray | None] = []  # None: a node of the wrong shape (take() says so)
         self.trace: list[str] | None = None  # set to [] to record the nodes offered (tests)
         self.callback = L.ggml_backend_sched_eval_callback(self._eval)
 
@@ -167,9 +167,10 @@ class LayerOutputTap:
         chunks, self._chunks = self._chunks, []
         if not chunks:
             raise LlamaCppError(f"graph node {self.node.decode()} was never computed")
-        if any(c is None for c in chunks):
+        rows = [c for c in chunks if c is not None]
+        if len(rows) != len(chunks):
             raise LlamaCppError(f"graph node {self.node.decode()} is not a float32 [rows, n_embd] tensor")
-        return np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+        return np.concatenate(rows) if len(rows) > 1 else rows[0]
 
 
 # -- batches ------------------------------------------------------------------------------------
@@ -359,6 +360,7 @@ class LlamaCppModel:
                     self.tap.take_nothing()
                 raise LlamaCppError(f"llama_decode failed with code {rc}")
             if want == "hidden":
+                assert self.tap is not None  # a model without a tap never asks for hidden states
                 rows = self.tap.take()
                 if rows.shape[0] != batch.raw.n_tokens:
                     raise LlamaCppError(f"boundary node has {rows.shape[0]} rows, batch has {batch.raw.n_tokens}")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workers.errors import BadInput
+from workers.errors import BadInput, UnsupportedModel
 from workers.llama_cpp_common import ContextConfig, LlamaCppModel, NoFreeSlot, Rows, read_metadata
 from workers.protocol import DEFAULT_N_CTX, Backend, Capability
 
@@ -27,7 +27,10 @@ DEFAULT_N_BATCH = 512  # rows per llama_decode (longer prefill chunks are run in
 def _file_layers(path: Path) -> int:
     """How many blocks the GGUF at ``path`` holds (a vocab-only read: fast)."""
     arch = read_metadata(path, ["general.architecture"])["general.architecture"]
-    return int(read_metadata(path, [f"{arch}.block_count"])[f"{arch}.block_count"])
+    count = read_metadata(path, [f"{arch}.block_count"])[f"{arch}.block_count"]
+    if count is None:
+        raise UnsupportedModel(f"{path} states no {arch}.block_count")
+    return int(count)
 
 
 class LlamaCppRangeBackend(Backend):

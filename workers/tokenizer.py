@@ -61,7 +61,7 @@ class Tokenizer:
             bos_token=self.piece(self.bos_id).decode("utf-8", "replace"),
             add_generation_prompt=add_generation_prompt,
         )
-        return formatter(messages=messages).prompt
+        return formatter(messages=messages).prompt  # type: ignore[arg-type]  # role/content dicts, as the template reads them
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> tuple[str, list[int]]:
         """The chat rendered by the model's template, and its token ids (BOS once, as the model wants it)."""

@@ -189,4 +189,4 @@ class TorchBackend(Backend):
     def close(self) -> None:
         """Free every session, then the weights."""
         super().close()
-        self.model = None
+        self.model = None  # type: ignore[assignment]  # free the weights; _open refuses new sessions after this

@@ -172,11 +172,11 @@ class Attention(nn.Module):
         q = apply_rope(self.wq(x).unflatten(-1, (self.n_heads, self.head_dim)), angles)
         k = apply_rope(self.wk(x).unflatten(-1, (self.n_kv_heads, self.head_dim)), angles)
         v = self.wv(x).unflatten(-1, (self.n_kv_heads, self.head_dim))
-        keys, values = zip(*(cache.update(layer, p, k[b], v[b]) for b, (cache, p) in enumerate(zip(caches, positions))))
+        rows = [cache.update(layer, p, k[b], v[b]) for b, (cache, p) in enumerate(zip(caches, positions))]
         # Pad every row's keys to the longest one; the mask hides the padding and the future.
-        n_keys = max(len(kb) for kb in keys)
-        keys = torch.stack([F.pad(kb, (0, 0, 0, 0, 0, n_keys - len(kb))) for kb in keys])  # [B, L, kvh, hd]
-        values = torch.stack([F.pad(vb, (0, 0, 0, 0, 0, n_keys - len(vb))) for vb in values])
+        n_keys = max(len(kb) for kb, _ in rows)
+        keys = torch.stack([F.pad(kb, (0, 0, 0, 0, 0, n_keys - len(kb))) for kb, _ in rows])  # [B, L, kvh, hd]
+        values = torch.stack([F.pad(vb, (0, 0, 0, 0, 0, n_keys - len(vb))) for _, vb in rows])
         query_pos = torch.tensor(positions)[:, None] + torch.arange(T)  # [B, T]
         visible = torch.arange(n_keys)[None, None, :] <= query_pos[:, :, None]  # [B, T, L]
 
@@ -237,7 +237,8 @@ class LayerRange(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.layers[0].attention.wq.weight.dtype
+        first: TransformerBlock = self.layers[0]  # type: ignore[assignment]  # ModuleList items are Modules
+        return first.attention.wq.weight.dtype
 
     @property
     def weight_bytes(self) -> int:

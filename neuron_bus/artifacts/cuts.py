@@ -43,6 +43,7 @@ def layer_kinds(model: GGUFModel) -> list[str]:
     if not model.field(f"{arch}.attention.sliding_window"):
         return [ATTENTION] * n
     stated = model.field(f"{arch}.attention.sliding_window_pattern")
+    pattern: list[bool] | None
     if isinstance(stated, list) and len(stated) == n:
         pattern = [bool(x) for x in stated]
     elif isinstance(stated, int) and stated > 0:  # some converters store the period

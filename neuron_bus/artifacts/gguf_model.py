@@ -63,7 +63,7 @@ class Tensor:
     ggml_type: gguf.GGMLQuantizationType
     shape: tuple[int, ...]  # GGUF order (fastest dimension first)
     layer: int | None
-    reader_tensor: object  # gguf.ReaderTensor, for streaming its bytes
+    reader_tensor: gguf.ReaderTensor  # for streaming its bytes
 
 
 class GGUFModel:
@@ -77,7 +77,7 @@ class GGUFModel:
         # A gguf-split set may be given in any order: metadata lives in split 0.
         nos = [r.fields.get("split.no") for r in self.readers]
         if len(self.readers) > 1 and all(f is not None for f in nos):
-            order = sorted(range(len(nos)), key=lambda i: int(nos[i].contents()))
+            order = sorted(range(len(nos)), key=lambda i: int(nos[i].contents()))  # type: ignore[union-attr]
             self.paths = [self.paths[i] for i in order]
             self.readers = [self.readers[i] for i in order]
         self.meta = self.readers[0]

@@ -116,7 +116,7 @@ def _quantization(model: GGUFModel) -> str:
             return gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
         except ValueError:
             pass
-    by_bytes = Counter()
+    by_bytes: Counter[str] = Counter()
     for t in model.tensors:
         if t.layer is not None:
             by_bytes[t.ggml_type.name] += t.nbytes

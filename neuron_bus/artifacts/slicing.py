@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 
 from neuron_bus.artifacts.cuts import check_cut, layer_kinds, swa_pattern
-from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFModel, format_layers
+from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFModel, Tensor, format_layers
 
 _SKIP_KEYS = ("GGUF.", "split.", META_PREFIX)
 
@@ -63,7 +63,7 @@ def slice_gguf(
         )
     check_cut(layer_kinds(model), start, end)  # a slice llama.cpp would abort on is of no use
     real, placeholder = model.needed_shared(start, end)
-    tensors: list[tuple[str, object, bool]] = []  # (new name, tensor, placeholder?)
+    tensors: list[tuple[str, Tensor, bool]] = []  # (new name, tensor, placeholder?)
     for t in model.tensors:
         if t.layer is None:
             if t.name in real or t.name in placeholder:

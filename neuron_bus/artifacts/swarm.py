@@ -165,7 +165,7 @@ async def fetch_manifest(js: JetStreamContext, artifact_id: str) -> ArtifactMani
         raise ArtifactError(
             "hash_mismatch", f"the manifest of artifact {artifact_id} is corrupt in the store"
         ) from None
-    manifest = decode_manifest(res.data, f"manifest of artifact {artifact_id}")
+    manifest = decode_manifest(res.data or b"", f"manifest of artifact {artifact_id}")
     if manifest.artifact_id != artifact_id:
         raise ArtifactError("bad_manifest", f"the store's manifest {name} names artifact {manifest.artifact_id}")
     return manifest
@@ -174,7 +174,7 @@ async def fetch_manifest(js: JetStreamContext, artifact_id: str) -> ArtifactMani
 async def _get_piece(obs: ObjectStore, manifest: ArtifactManifest, p: PieceHash) -> bytes:
     what = f"piece {p.index} of artifact {manifest.artifact_id} ({p.file} bytes {p.offset}-{p.offset + p.length}, {p.region})"
     try:
-        data = (await obs.get(piece_object(manifest.artifact_id, p.index))).data
+        data = (await obs.get(piece_object(manifest.artifact_id, p.index))).data or b""
     except NotFoundError:
         raise ArtifactError("missing_piece", f"{what} is missing from the store") from None
     except DigestMismatchError:

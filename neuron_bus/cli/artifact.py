@@ -144,7 +144,8 @@ def plan(
 
 def _spans(indices: list[int]) -> str:
     """[1,2,3,7] -> '1-3,7'."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for i in indices:
         if run and i == run[-1] + 1:
             run.append(i)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 import time
+from typing import cast
 
 import typer
 from rich.console import Console
@@ -61,8 +62,8 @@ async def run_generation(
     chat: bool,
     sampling: M.SamplingParams,
     model: str,
-    wire_dtype: str,
-    encoding: str,
+    wire_dtype: M.WireDtype,
+    encoding: M.Encoding,
     chunk_size: int,
     as_json: bool,
     out=sys.stdout,
@@ -122,7 +123,7 @@ def report(
     else:
         out.write("\n")
         err.print(
-            f"[dim]{len(deltas)} tokens, {rate:.1f} tok/s, route {' -> '.join(result['nodes'])}, "
+            f"[dim]{len(deltas)} tokens, {rate:.1f} tok/s, route {' -> '.join(h.node_id for h in route.hops)}, "
             f"finish: {result['finish_reason']}[/dim]"
         )
     return result
@@ -162,7 +163,7 @@ def generate(
                 chat=chat,
                 sampling=sampling,
                 model=model,
-                wire_dtype=wire_dtype,
+                wire_dtype=cast(M.WireDtype, wire_dtype),
                 encoding="zstd" if zstd else "raw",
                 chunk_size=chunk_size,
                 as_json=as_json,

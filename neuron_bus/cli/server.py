@@ -21,7 +21,9 @@ async def provision(url: str, replicas: int, prefill_window: int = DEFAULT_PREFI
         topo = await ensure_topology(nc.jetstream(), replicas=replicas, prefill_window=prefill_window, update=True)
     finally:
         await nc.close()
-    return [s.name for s in topo.streams] + [k.bucket for k in topo.kv] + [o.bucket for o in topo.objects]
+    return (
+        [str(c.name) for c in topo.streams] + [str(k.bucket) for k in topo.kv] + [str(o.bucket) for o in topo.objects]
+    )
 
 
 def wait_for_signal() -> int:
@@ -52,7 +54,7 @@ def security(auth: Path | None, tls_cert: Path | None, tls_key: Path | None, tls
         extra.append(auth.read_text())
     if (tls_cert is None) != (tls_key is None):
         fail("--tls-cert and --tls-key go together")
-    if tls_cert is not None:
+    if tls_cert is not None and tls_key is not None:
         import ssl
 
         extra.append(tls_block(tls_cert, tls_key))

@@ -10,6 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast, get_args
 
 import msgspec
 import typer
@@ -40,7 +41,7 @@ def build_report(
     preset: str,
     revision: str,
     artifact_id: str,
-    trust_tier: str,
+    trust_tier: M.TrustTier,
     slow_ms: float = 0.0,
     layer_kinds: list[str] | None = None,
 ) -> M.CapabilityReport:
@@ -62,6 +63,12 @@ def build_report(
         layer_kinds=list(layer_kinds or []),
         **cap,
     )
+
+
+def trust_tiers(tier: str) -> M.TrustTier:
+    if tier not in get_args(M.TrustTier):
+        raise ValueError(f"--trust-tier must be one of {', '.join(get_args(M.TrustTier))}, not {tier!r}")
+    return cast(M.TrustTier, tier)
 
 
 @dataclass
@@ -143,7 +150,9 @@ def worker(
     idle_timeout: float = typer.Option(300.0, help="Free sessions idle this long (seconds)."),
     max_decode_batch: int = typer.Option(8, help="Decode steps of different sessions run together."),
     slow_ms: float = typer.Option(0.0, hidden=True, help="Fault injection: delay every backend call."),
-    fault: str = typer.Option(None, hidden=True, help="Fault injection for audits: perturb (noise on every output)."),
+    fault: str | None = typer.Option(
+        None, hidden=True, help="Fault injection for audits: perturb (noise on every output)."
+    ),
     dtype: str = typer.Option("float32", help="torch backend compute dtype: float32 | bfloat16."),
     n_ctx: int = typer.Option(DEFAULT_N_CTX, help="llama-cpp: positions per session (prompt + generated)."),
     max_sessions: int = typer.Option(8, help="llama-cpp: concurrent sessions (KV slots) per worker."),
@@ -164,6 +173,7 @@ def worker(
     try:  # the cheap checks first: loading the model takes seconds
         fault = faults.check(fault)
         check_token(node_id, "node id")
+        tier = trust_tiers(trust_tier)
     except ValueError as exc:
         fail(str(exc))
     if snapshot_every < 0:
@@ -180,7 +190,7 @@ def worker(
         work = owned_layer_work(src.gguf or src.path, be.layer_start, be.layer_end, be.n_layers)
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
-    report = build_report(node_id, be, src.preset, src.revision, src.artifact_id, trust_tier, slow_ms, src.kinds)
+    report = build_report(node_id, be, src.preset, src.revision, src.artifact_id, tier, slow_ms, src.kinds)
     options = WorkerOptions(
         idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms, snapshot_every=snapshot_every,
         snapshot_url=snapshot_nats, owned_layer_work=work, fault=fault,

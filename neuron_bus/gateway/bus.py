@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -33,6 +33,11 @@ class Prepared:
     req: GenRequest
     route: M.RouteAssignment
     prompt_tokens: list[int]
+
+    @property
+    def model(self) -> str:
+        assert self.req.model is not None  # prepare() chose it
+        return self.req.model
 
     @property
     def nodes(self) -> list[str]:
@@ -185,7 +190,7 @@ class Bus:
             )
         return Prepared(req, route, tokens)
 
-    async def stream(self, p: Prepared) -> AsyncIterator[M.TokenDelta | M.GenerationTelemetry]:
+    async def stream(self, p: Prepared) -> AsyncGenerator[M.TokenDelta | M.GenerationTelemetry, None]:
         """The generation's telemetry and token deltas; raises RouteError when the route fails."""
         self.metrics.active.inc()
         self.metrics.tokens.labels("prompt").inc(len(p.prompt_tokens))
@@ -193,7 +198,7 @@ class Bus:
             prompt_tokens=p.prompt_tokens,
             route=p.route,
             sampling=p.req.sampling,
-            model_preset=p.req.model,
+            model_preset=p.model,
             chunk_size=self.chunk_size,
             policy=p.req.policy,
         )
@@ -240,7 +245,8 @@ class Bus:
             )
             for kind, subject in session_events.SUBJECTS
         ]
-        last_phase, timeout = "queued", STALL_TIMEOUT_S
+        last_phase: M.Phase = "queued"
+        timeout = STALL_TIMEOUT_S
         try:
             while True:
                 try:

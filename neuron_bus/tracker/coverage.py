@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from neuron_bus.artifacts import cuts
-from neuron_bus.messages import CoverageReport, LayerCoverage, ModelCoverage, RebalanceHint, TrackedNode
+from neuron_bus.messages import CoverageReport, CoverageStatus, LayerCoverage, ModelCoverage, RebalanceHint, TrackedNode
 from neuron_bus.tracker import layers, speed
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.view import NodeView, Numerics
@@ -75,7 +75,7 @@ def layer_coverage(layer: int, replicas: Sequence[NodeView], slow: set[str], par
     measured = all(v.decode_tps for v in replicas)
     if replicas and measured and capacity < params.min_capacity_tokens_per_second:
         reasons.append(f"capacity {capacity:.1f} tok/s < {params.min_capacity_tokens_per_second:g}")
-    status = "gap" if not replicas else "under-provisioned" if reasons else "covered"
+    status: CoverageStatus = "gap" if not replicas else "under-provisioned" if reasons else "covered"
     return LayerCoverage(
         layer=layer,
         status=status,

@@ -129,7 +129,8 @@ def plan_route(
     groups: dict[Numerics, list[NodeView]] = defaultdict(list)
     for v in live:
         groups[v.numerics].append(v)
-    plans, reasons = [], []
+    plans: list[Plan] = []
+    reasons: list[str] = []
     for numerics in sorted(groups):
         others = [v for v in live if v.numerics != numerics]
         result = plan_group(groups[numerics], numerics, params, others)

@@ -22,6 +22,7 @@ from neuron_bus import messages as M
 from neuron_bus import models
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage, NeuronBusError
+from neuron_bus.execution import Backend
 from neuron_bus.flow import publish
 from neuron_bus.trust.attribution import DEFAULT_THRESHOLD, Attribution
 from neuron_bus.trust.events import stored, validation_event
@@ -40,7 +41,7 @@ class Auditor:
         self.threads = threads
         self.attribution = Attribution(threshold=threshold)
         self.verdicts = 0
-        self._backends: dict[tuple[str, bool], object] = {}
+        self._backends: dict[tuple[str, bool], Backend] = {}
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:

@@ -21,7 +21,7 @@ async def stored(js: JetStreamContext, stream: str, subject: str, kind) -> Async
         except NotFoundError:
             return
         yield M.decode(raw.data, kind)
-        seq = raw.seq + 1
+        seq = (raw.seq or seq) + 1
 
 
 async def validation_event(js: JetStreamContext, key: str) -> M.ValidationEvent:

@@ -43,7 +43,9 @@ def tolerance(event: M.ValidationEvent) -> float:
     return table.get(event.wire_dtype, max(table.values()))
 
 
-def make_verdict(event: M.ValidationEvent, reference: str, verdict: str, detail: str, **kw) -> M.AuditVerdict:
+def make_verdict(
+    event: M.ValidationEvent, reference: str, verdict: M.AuditOutcome, detail: str, **kw
+) -> M.AuditVerdict:
     return M.AuditVerdict(
         session_id=event.session_id,
         event_id=event.event_id,

@@ -18,6 +18,7 @@ import time
 
 import nats
 import nats.js.errors as jserr
+from nats.aio.subscription import Subscription
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
@@ -43,7 +44,7 @@ class TrackerTrust:
         self.audit_rate = audit_rate
         self.poll = poll
         self.flagged: dict[str, str] = {}  # node id -> reason
-        self._sub = None
+        self._sub: Subscription | None = None
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:

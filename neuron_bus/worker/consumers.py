@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from neuron_bus import messages as M
@@ -28,7 +29,9 @@ class RouteConsumers:
         self.js = js
         self.deliver = deliver  # (phase, message): queue it for the engine
         self.decode_ack_pending = decode_ack_pending
-        self._bound: dict[str, list[tuple[object, str, str]]] = {}  # route -> (subscription, stream, subject)
+        self._bound: dict[
+            str, list[tuple[JetStreamContext.PushSubscription, str, str]]
+        ] = {}  # route -> (subscription, stream, subject)
 
     def __contains__(self, route_id: str) -> bool:
         return route_id in self._bound

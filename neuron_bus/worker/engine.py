@@ -180,19 +180,19 @@ class HopEngine:
                 return [exc]
         return [self.compute([st], phase)[0] for st in steps]  # a batch failed as a whole: one by one
 
-    def _call(self, steps: list[Step], phase: str) -> list[np.ndarray]:
+    def _call(self, steps: list[Step], phase: str) -> list[np.ndarray | Exception]:
         if self.opts.slow_ms:
             time.sleep(self.opts.slow_ms / 1000.0)
         b = self.backend
         if phase == "decode" and len(steps) > 1:
-            outs = b.decode_batch([(st.session.session_id, st.header.position, st.x) for st in steps])
+            outs: list[np.ndarray] = b.decode_batch([(st.session.session_id, st.header.position, st.x) for st in steps])
         else:
             st = steps[0]
             run = b.decode_step if phase == "decode" else b.prefill
             outs = [run(st.session.session_id, st.header.position, st.x)]
         if self.opts.fault:
             outs = [faults.apply(self.opts.fault, out, self._fault_rng) for out in outs]
-        return outs
+        return list(outs)
 
     # ------------------------------------------------------------------ outcomes
 

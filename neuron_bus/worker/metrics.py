@@ -8,47 +8,54 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 class WorkerMetrics:
     def __init__(self, node_id: str):
         self.registry = CollectorRegistry()
-        labels = {"registry": self.registry}
         self.seam_bytes = Counter(
             "neuron_seam_bytes_total",
             "Activation body bytes crossing this node's seams",
             ["phase", "direction"],
-            **labels,
+            registry=self.registry,
         )
         self.seam_messages = Counter(
             "neuron_seam_messages_total",
             "Activation messages crossing this node's seams",
             ["phase", "direction"],
-            **labels,
+            registry=self.registry,
         )
-        self.sessions_active = Gauge("neuron_sessions_active", "Open route sessions on this node", **labels)
-        self.cache_bytes = Gauge("neuron_cache_bytes", "KV cache bytes held for open sessions", **labels)
+        self.sessions_active = Gauge(
+            "neuron_sessions_active", "Open route sessions on this node", registry=self.registry
+        )
+        self.cache_bytes = Gauge("neuron_cache_bytes", "KV cache bytes held for open sessions", registry=self.registry)
         self.rejected = Counter(
             "neuron_rejected_messages_total",
             "Messages rejected before any model work",
             ["reason"],
-            **labels,
+            registry=self.registry,
         )
-        self.backend_calls = Counter("neuron_backend_calls_total", "Backend forward calls", ["phase"], **labels)
-        self.snapshots_written = Counter("neuron_snapshots_written_total", "KV snapshots written", **labels)
+        self.backend_calls = Counter(
+            "neuron_backend_calls_total", "Backend forward calls", ["phase"], registry=self.registry
+        )
+        self.snapshots_written = Counter(
+            "neuron_snapshots_written_total", "KV snapshots written", registry=self.registry
+        )
         self.snapshot_failures = Counter(
             "neuron_snapshot_failures_total",
             "KV snapshot writes that failed or were skipped (decode went on)",
             ["reason"],
-            **labels,
+            registry=self.registry,
         )
-        self.tokens = Counter("neuron_tokens_total", "Positions computed by this node", ["phase"], **labels)
+        self.tokens = Counter(
+            "neuron_tokens_total", "Positions computed by this node", ["phase"], registry=self.registry
+        )
         self.inline_calls = Counter(
             "neuron_backend_inline_calls_total",
             "Backend calls quick enough to run on the event loop",
             ["phase"],
-            **labels,
+            registry=self.registry,
         )
         self.backend_seconds = Counter(
             "neuron_backend_seconds_total",
             "Seconds the backend spent computing (its utilization)",
             ["phase"],
-            **labels,
+            registry=self.registry,
         )
 
         self.rejected_by_reason: dict[str, int] = {}  # the same counts, for `neuron-bus sessions`
@@ -61,7 +68,7 @@ class WorkerMetrics:
         self.seam_bytes.labels(phase, direction).inc(nbytes)
         self.seam_messages.labels(phase, direction).inc()
 
-    def value(self, name: str, **labels) -> float:
+    def value(self, name: str, **labels: str) -> float:
         v = self.registry.get_sample_value(name, labels)
         return 0.0 if v is None else v
 

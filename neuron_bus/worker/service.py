@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 
 from neuron_bus import codec
 from neuron_bus import messages as M
@@ -80,7 +81,7 @@ class WorkerService:
         self.heartbeat = Heartbeat(nc, report, self.engine, self.runner, self.node_telemetry, self.metrics)
         self.outbox = Outbox(nc, self.engine, self.runner, self.lifecycle, self.snapshots, self.trail, self.metrics)
         self._loops: list[asyncio.Task] = []
-        self._control_sub = None
+        self._control_sub: Subscription | None = None
 
     @property
     def sessions(self):

@@ -61,10 +61,12 @@ class HopSession:
         return max(self.open.prompt_tokens, self.replay_end)
 
     @property
-    def phase(self) -> str:
+    def phase(self) -> M.ActivationPhase:
         return "prefill" if self.position < self.prefill_end else "decode"
 
-    def header(self, hop_index: int, position: int, phase: str, seq: int, dtype: str) -> M.ActivationHeader:
+    def header(
+        self, hop_index: int, position: int, phase: M.ActivationPhase, seq: int, dtype: M.WireDtype
+    ) -> M.ActivationHeader:
         """The state key for a message this session sends to ``hop_index``."""
         return hop_header(self.route, hop_index, self.session_id, position, phase, seq, dtype)
 

@@ -25,6 +25,7 @@ import uuid
 from collections import deque
 
 from nats.js.api import ObjectMeta
+from nats.js.object_store import ObjectStore
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
@@ -56,7 +57,7 @@ class SnapshotStore:
         self.metrics = metrics
         self.url = url  # None: the bus connection ``nc``
         self._nc = None if url else nc
-        self._store = None
+        self._store: ObjectStore | None = None
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._inflight: dict[str, asyncio.Task] = {}
@@ -64,6 +65,11 @@ class SnapshotStore:
         self._background = Background()
         self.written = 0
         self.failures: dict[str, int] = {}
+
+    @property
+    def store(self) -> ObjectStore:
+        assert self._store is not None, "used before the snapshot store is ready"
+        return self._store
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._open(), name="snapshot-store")
@@ -85,6 +91,7 @@ class SnapshotStore:
         while True:
             try:
                 if self._nc is None:
+                    assert self.url is not None  # no bus connection given: a cache server's URL was
                     self._nc = await connect(self.url, name=f"neuron-snapshots-{self.report.node_id}")
                 self._store = await object_store(self._nc.jetstream(), S.OBJ_SNAPSHOTS)
                 self._ready.set()
@@ -131,14 +138,15 @@ class SnapshotStore:
             created_at=time.time(),
         )
         task = asyncio.create_task(self._upload(meta, blob))
-        self._inflight[s.session_id] = task
-        task.add_done_callback(lambda _t, sid=s.session_id: self._inflight.pop(sid, None))
+        sid = s.session_id
+        self._inflight[sid] = task
+        task.add_done_callback(lambda _t: self._inflight.pop(sid, None))
 
     async def _upload(self, meta: M.SnapshotMeta, blob: bytes) -> None:
         name = object_name(meta)
         try:
             await asyncio.wait_for(
-                self._store.put(name, blob, meta=ObjectMeta(name=name, description=M.encode(meta).decode())),
+                self.store.put(name, blob, meta=ObjectMeta(name=name, description=M.encode(meta).decode())),
                 UPLOAD_TIMEOUT_S,
             )
         except asyncio.CancelledError:
@@ -167,7 +175,7 @@ class SnapshotStore:
 
     async def _delete(self, name: str) -> None:
         try:
-            await asyncio.wait_for(self._store.delete(name), UPLOAD_TIMEOUT_S)
+            await asyncio.wait_for(self.store.delete(name), UPLOAD_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -185,7 +193,7 @@ class SnapshotStore:
         r = self.report
         prefix = object_prefix(session_id, r.layer_start, r.layer_end)
         try:
-            infos = await asyncio.wait_for(self._store.list(ignore_deletes=True), UPLOAD_TIMEOUT_S)
+            infos = await asyncio.wait_for(self.store.list(ignore_deletes=True), UPLOAD_TIMEOUT_S)
         except Exception:  # NotFoundError: an empty bucket
             infos = []
         found, refused = [], []
@@ -220,9 +228,10 @@ class SnapshotStore:
                 f"at positions {min_position}..{max_position}{why}",
             )
         _, name, meta = max(found, key=lambda f: f[0])
-        result = await asyncio.wait_for(self._store.get(name), UPLOAD_TIMEOUT_S)
-        if len(result.data) != meta.nbytes:
+        result = await asyncio.wait_for(self.store.get(name), UPLOAD_TIMEOUT_S)
+        blob = result.data or b""
+        if len(blob) != meta.nbytes:
             raise NeuronBusError(
-                "no_snapshot", f"snapshot {name} holds {len(result.data)} bytes, its metadata says {meta.nbytes}"
+                "no_snapshot", f"snapshot {name} holds {len(blob)} bytes, its metadata says {meta.nbytes}"
             )
-        return meta, result.data
+        return meta, blob

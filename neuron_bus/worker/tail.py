@@ -96,7 +96,7 @@ class TailDecoder:
             self.progress.finish("done")
         return TokenStep(delta=delta, index=index)
 
-    def _text_and_finish(self, token_id: int) -> tuple[str, str | None]:
+    def _text_and_finish(self, token_id: int) -> tuple[str, M.FinishReason | None]:
         """The text this token lets out, and the finish reason if it ends the generation.
 
         Text that could be the start of a stop string is held back until the next tokens show

@@ -44,17 +44,14 @@ class DecodeWaves:
     async def next(self, sessions: Iterable, backend) -> list[Incoming]:
         """Take the next wave off the queue (which must not be empty), waiting briefly for stragglers."""
         size, wave_of = self.plan(sessions, backend)
-        mine = wave_of.get(self.queue[0].session_id)
+        mine = wave_of.get(self.queue[0].session_id or "")
         if mine is None:  # not a session this node heads: waves arrive formed from upstream
             target, wait_ms = size, min(LATER_HOP_WAIT_MS, self.wait_ms)
-
-            def wanted(_m: Incoming) -> bool:
-                return True
         else:
             target, wait_ms = sum(1 for w in wave_of.values() if w == mine), self.wait_ms
 
-            def wanted(m: Incoming) -> bool:
-                return wave_of.get(m.session_id) == mine
+        def wanted(m: Incoming) -> bool:
+            return mine is None or wave_of.get(m.session_id or "") == mine
 
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_ms / 1000.0
