@@ -1,8 +1,9 @@
 """The JetStream consumers a worker binds for each route it serves: the hop's prefill and decode
 subjects, each a push consumer with explicit acks.
 
-Decode steps may be many in flight (one per decoding session); a prefill consumer takes one chunk
-at a time, so the prefill subject's window (topology.py) is what holds a slow hop's upstream. A
+Decode steps may be many in flight (one per decoding session); prefill chunks few (one by
+default): that, the prefill subject's window (topology.py), and the acknowledgement of an input
+only once its output was accepted downstream are what hold a slow hop's upstream. A
 work-queue stream allows one consumer per subject: binding first deletes consumers left on it by
 an earlier binding or a previous run of this node. Every received message becomes an `Incoming`
 on the phase's queue.
@@ -25,10 +26,11 @@ INACTIVE_S = 30.0  # the server removes a consumer nobody is bound to after this
 
 
 class RouteConsumers:
-    def __init__(self, js, deliver: Callable[[str, Incoming], None], decode_ack_pending: int):
+    def __init__(self, js, deliver: Callable[[str, Incoming], None], decode_ack_pending: int, prefill_ack_pending: int):
         self.js = js
         self.deliver = deliver  # (phase, message): queue it for the engine
         self.decode_ack_pending = decode_ack_pending
+        self.prefill_ack_pending = prefill_ack_pending
         self._bound: dict[
             str, list[tuple[JetStreamContext.PushSubscription, str, str]]
         ] = {}  # route -> (subscription, stream, subject)
@@ -42,7 +44,7 @@ class RouteConsumers:
         subs = []
         for phase, stream, pending in (
             ("decode", S.STREAM_DECODE, self.decode_ack_pending),
-            ("prefill", S.STREAM_PREFILL, 1),
+            ("prefill", S.STREAM_PREFILL, self.prefill_ack_pending),
         ):
 
             async def received(msg: Msg, phase=phase) -> None:

@@ -1,11 +1,16 @@
 """What the worker sends for the engine's outcomes, and when it acknowledges their inputs.
 
-- Outputs: a batch's messages go out together (their stream acknowledgements overlap); each
-  input is acknowledged only once the next stream accepted its outputs (backpressure), after the
-  snapshot due at that position is exported; an output that cannot be sent leaves its input
-  unacknowledged (redelivered after the ack wait); one that waited on a full next hop while its
-  session closed or moved is dropped. At the tail: the validation event when a generation
-  finishes, and the generation's telemetry.
+- Outputs: a batch's messages are started in order and the processing loop goes on: waiting for
+  the streams' acknowledgements (a round trip to the server, 50 ms over a 25 ms link) happens
+  beside it, so other sessions' steps fill the time. Each input is acknowledged only once the next
+  stream accepted its outputs (backpressure: the consumer's ack window bounds what is in flight);
+  a session's outputs are delivered one after another, so its chunks never reorder on a full
+  next hop's retries. A snapshot due at a step's position is exported before the loop can run
+  the session's next step. An output that cannot be sent leaves its input unacknowledged
+  (redelivered after the ack wait); one that waited on a full next hop while its session closed
+  or moved is dropped. At the tail: the validation event when a generation finishes, and the
+  generation's telemetry (core NATS: the telemetry stream keeps the last one all the same, and
+  a token must not wait for it).
 - Rejections: counted by reason, the message terminated, and its session told (non-fatal),
   without holding up the data path.
 - Failures: a fatal `SessionError` naming this node and the phase, and the session closed here.
@@ -37,7 +42,8 @@ class Outbox:
         self.trail = trail
         self.metrics = metrics
         self.node_id = engine.node_id
-        self._background = Background()  # rejections' replies: never awaited on the data path
+        self._background = Background()  # deliveries and rejections' replies: never awaited by the loop
+        self._last: dict[str, asyncio.Task] = {}  # session -> its latest delivery not finished yet
 
     async def stop(self) -> None:
         await self._background.cancel_all()
@@ -45,19 +51,31 @@ class Outbox:
     # ------------------------------------------------------------------ outputs
 
     async def send(self, outputs: list[Output]) -> None:
-        results = await asyncio.gather(*(self._send(o) for o in outputs), return_exceptions=True)
-        failure = None
-        for out, result in zip(outputs, results):
-            if isinstance(result, NeuronBusError) and result.reason == "session_gone":
+        """Export the snapshots due, then start every output's delivery, in order, and return."""
+        for out in outputs:
+            if out.snapshot:
+                await self._snapshot(out.step.session)
+        for out in outputs:
+            sid = out.step.session.session_id
+            task = self._background.spawn(self._deliver(out, self._last.get(sid)))
+            self._last[sid] = task
+            task.add_done_callback(lambda t, sid=sid: self._last.pop(sid) if self._last.get(sid) is t else None)
+
+    async def _deliver(self, out: Output, before: asyncio.Task | None) -> None:
+        if before is not None:  # the session's previous output first
+            await asyncio.wait([before])
+        try:
+            await self._send(out)
+        except NeuronBusError as exc:
+            if exc.reason == "session_gone":
                 await out.step.handle.term()
-            elif isinstance(result, BaseException):
-                failure = failure or result
-            else:
-                if out.snapshot:
-                    await self._snapshot(out.step.session)
-                await out.step.handle.ack()
-        if failure is not None:
-            raise failure
+                return
+            log.warning("worker %s: output of %s not sent: %s", self.node_id, out.step.session.session_id, exc)
+            return  # left unacknowledged: redelivered after the ack wait
+        except Exception as exc:
+            log.warning("worker %s: output of %s not sent: %s", self.node_id, out.step.session.session_id, exc)
+            return
+        await out.step.handle.ack()
 
     async def _send(self, out: Output) -> None:
         s = out.step.session
@@ -75,7 +93,7 @@ class Outbox:
         if out.token is not None and out.finished and s.tail is not None:
             await self.trail.validation(s.open, s.tail.generated, out.token.delta.finish_reason)
         if out.telemetry is not None:
-            await publish(self.js, S.telemetry(s.session_id), M.encode(out.telemetry))
+            await self.nc.publish(S.telemetry(s.session_id), M.encode(out.telemetry))
 
     async def _snapshot(self, s: HopSession) -> None:
         """Export the session's cache now (it is at a snapshot position) and upload it in the background."""
@@ -134,5 +152,5 @@ class Outbox:
         await self.nc.publish(S.session_error(s.session_id), M.encode(err))
         if s.tail is not None:
             s.tail.progress.fail(f"{code}: {message}", s.phase, self.node_id)
-            await publish(self.js, S.telemetry(s.session_id), M.encode(s.tail.progress.snapshot()))
+            await self.nc.publish(S.telemetry(s.session_id), M.encode(s.tail.progress.snapshot()))
         await self.lifecycle.close(s.session_id, failed=True)

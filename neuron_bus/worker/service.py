@@ -48,6 +48,9 @@ class WorkerOptions:
     max_decode_batch: int = 8
     batch_wait_ms: float = 10.0  # how long hop 0 may hold a decode step for other sessions' steps
     decode_ack_pending: int = 256
+    # prefill chunks in flight per route and hop: one, so a slow next hop holds this hop at once (a
+    # window of 4 started 8 sessions over 25 ms links within 1.0 s of each other instead of 1.3 s)
+    prefill_ack_pending: int = 1
     max_body: int = codec.DEFAULT_MAX_BODY
     slow_ms: float = 0.0  # add this much delay per backend call (fault injection for tests)
     snapshot_every: int = 0  # write a KV snapshot whenever a decoding session crosses a multiple of this
@@ -71,7 +74,9 @@ class WorkerService:
         self.queues: dict[str, deque[Incoming]] = {"decode": deque(), "prefill": deque()}
         self._work = asyncio.Event()
         self.waves = DecodeWaves(self.queues["decode"], self._work, self.opts.max_decode_batch, self.opts.batch_wait_ms)
-        self.consumers = RouteConsumers(self.js, self._queue, self.opts.decode_ack_pending)
+        self.consumers = RouteConsumers(
+            self.js, self._queue, self.opts.decode_ack_pending, self.opts.prefill_ack_pending
+        )
         self.node_telemetry = NodeTelemetry(self.node_id)
         self.snapshots = SnapshotStore(nc, report, self.metrics, url=self.opts.snapshot_url)
         self.lifecycle = SessionLifecycle(
@@ -128,14 +133,17 @@ class WorkerService:
 
     async def _process_loop(self) -> None:
         decode, prefill = self.queues["decode"], self.queues["prefill"]
+        turn = "decode"
         while True:
             await self._work.wait()
             self._work.clear()
             while decode or prefill:
-                try:
-                    if decode:
+                try:  # decode waves and prefill chunks take turns: running sessions never starve a new one
+                    if decode and (turn == "decode" or not prefill):
+                        turn = "prefill"
                         await self._process(await self.waves.next(self.sessions, self.engine.backend), "decode")
                     else:
+                        turn = "decode"
                         await self._process([prefill.popleft()], "prefill")
                 except asyncio.CancelledError:
                     raise
