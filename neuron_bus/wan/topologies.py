@@ -16,6 +16,8 @@ The emulator's control API (``swarm.emulator``) reshapes or partitions any link 
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from pathlib import Path
 
 from neuron_bus.local_swarm import LocalSwarm
@@ -82,6 +84,17 @@ class StarSwarm(_Emulated):
         return self.link_url(name, role)
 
 
+# Every client lands in the NEURON account without credentials; the system account (for
+# supercluster operations such as moving the JetStream meta leader) takes SYSTEM_USER.
+SYSTEM_USER = ("sys", "sys")
+ACCOUNTS = f"""accounts {{
+  SYS {{ users: [ {{ user: "{SYSTEM_USER[0]}", password: "{SYSTEM_USER[1]}" }} ] }}
+  NEURON {{ jetstream: enabled, users: [ {{ user: "neuron", password: "neuron" }} ] }}
+}}
+system_account: SYS
+no_auth_user: neuron"""
+
+
 class RegionSwarm(_Emulated):
     """One nats-server per region, joined by gateways over emulated WAN links.
 
@@ -141,6 +154,7 @@ class RegionSwarm(_Emulated):
                         # gossip never lets a reconnecting gateway bypass the link
                         gateway_advertise=f"127.0.0.1:{self.wan_port[r]}",
                         gateways={o: [f"nats://127.0.0.1:{self.wan_port[o]}"] for o in self.regions if o != r},
+                        extra=ACCOUNTS,
                     )
                 )
             )
@@ -163,6 +177,17 @@ class RegionSwarm(_Emulated):
 
     def process_url(self, name: str, role: str) -> str:
         return self.region_url(self.worker_region.get(name, self.home))
+
+    def system_url(self, region: str) -> str:
+        """``region``'s server as the system account (meta leader moves, server reports)."""
+        user, password = SYSTEM_USER
+        return self.region_url(region).replace("nats://", f"nats://{user}:{password}@")
+
+    def meta_leader(self) -> str | None:
+        """The server leading the supercluster's JetStream meta group (from the home server's /jsz)."""
+        cfg = self.server(self.home).config
+        with urllib.request.urlopen(f"http://{cfg.host}:{cfg.http_port}/jsz", timeout=5) as resp:
+            return (json.load(resp).get("meta_cluster") or {}).get("leader")
 
     def wan_shape(self, region: str, shape: Shape) -> None:
         """Reshape the WAN link into ``region`` (both directions)."""
