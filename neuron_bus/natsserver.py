@@ -77,6 +77,7 @@ class ServerConfig:
     cluster_host: str | None = None
     cluster_port: int | None = None
     routes: list[str] = field(default_factory=list)
+    cluster_advertise: str | None = None  # what this server tells its route peers to dial
     # a supercluster: this server's cluster joins others through gateways (the gateway is named after
     # cluster_name); gateways maps each other cluster's name to the URLs to reach its gateway port
     gateway_port: int | None = None
@@ -105,6 +106,7 @@ class ServerConfig:
                 "cluster {",
                 f'  name: "{self.cluster_name}"',
                 f'  listen: "{self.cluster_host or self.host}:{self.cluster_port}"',
+                *([f'  advertise: "{self.cluster_advertise}"'] if self.cluster_advertise else []),
                 "  routes: [",
                 *[f'    "{r}"' for r in self.routes],
                 "  ]",

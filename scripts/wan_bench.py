@@ -14,7 +14,9 @@ In one run, on this machine (links from neuron_bus/wan/linkem.py, in its own pro
 - time to first token of a 1024-token prompt at 25 ms and 50 Mbit/s per link, 2 hops, with the
   f32, bf16 and bf16+zstd wires, next to the pipeline bound (docs/wan.md derives it);
 - the JetStream ring floor at 25 ms: what awaiting each publish acknowledgement costs a hop with
-  1 and 8 messages in flight, against a pipelined acknowledgement and core NATS.
+  1 and 8 messages in flight, against a pipelined acknowledgement and core NATS;
+- replication at 25 ms: publish + acknowledgement into R1 and R3 streams of a cluster stretched
+  over the three regions, from the leader's region and from another.
 
 Crossings per token (trip around the ring): star, 2 per seam (into the server, out of it): 2H for
 H hops. Regions: a message from region P to a consumer in region C through a stream in the home
@@ -302,6 +304,90 @@ def fidelity() -> dict:
     return {"set_one_way_ms": WAN_MS, "measured_one_way_ms_p50": statistics.median(r) / 2, "max_ms": max(r) / 2}
 
 
+def replication(quick: bool) -> dict:
+    """Publish + acknowledgement of a 2304-byte message at 25 ms between regions: R1 and R3 streams
+    of a cluster stretched over three regions, from a client on the stream leader's server and
+    from one on another region's server (the supercluster's streams are R1, like the first)."""
+    import threading
+
+    from nats.js.api import StorageType, StreamConfig
+
+    from neuron_bus.topology import connect
+    from neuron_bus.wan.topologies import stretched_cluster
+
+    n = 20 if quick else 60
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as store, EmulatorProcess() as em:
+        servers = stretched_cluster(em, Path(store), REGIONS, WAN_MS)
+        threads = [threading.Thread(target=s.start, kwargs={"timeout": 60}) for s in servers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        by_name = {s.config.server_name: s for s in servers}
+
+        async def acks(url: str, subject: str) -> float:
+            nc = await connect(url)
+            try:
+                js, lat = nc.jetstream(), []
+                deadline = time.monotonic() + 20
+                while True:  # the stream's interest reaches this server over the WAN first
+                    try:
+                        await js.publish(subject, b"\0" * 2304)
+                        break
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(0.5)
+                for _ in range(n + 5):
+                    t0 = time.perf_counter()
+                    await js.publish(subject, b"\0" * 2304)
+                    lat.append(1000 * (time.perf_counter() - t0))
+                return statistics.median(lat[5:])
+            finally:
+                await nc.close()
+
+        async def run() -> None:
+            nc = await connect(servers[0].url)
+            js = nc.jetstream()
+            deadline = time.monotonic() + 60
+            for replicas in (1, 3):
+                while True:  # the stretched meta group elects its leader over the WAN
+                    try:
+                        await js.add_stream(
+                            StreamConfig(
+                                name=f"R{replicas}",
+                                subjects=[f"r{replicas}.>"],
+                                storage=StorageType.MEMORY,
+                                num_replicas=replicas,
+                            )
+                        )
+                        break
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(1)
+                leader = (await js.stream_info(f"R{replicas}")).cluster.leader
+                other = next(s for name, s in by_name.items() if name != leader)
+                out[f"R{replicas}"] = {
+                    "from_leader_ms_p50": await acks(by_name[leader].url, f"r{replicas}.x"),
+                    "from_other_region_ms_p50": await acks(other.url, f"r{replicas}.x"),
+                }
+            await nc.close()
+
+        try:
+            asyncio.run(run())
+        finally:
+            for s in servers:
+                s.stop()
+    for name, r in out.items():
+        log(
+            f"  stretched cluster at {WAN_MS:g} ms, {name}: publish + ack {r['from_leader_ms_p50']:.1f} ms from the "
+            f"leader's region, {r['from_other_region_ms_p50']:.1f} ms from another"
+        )
+    return out
+
+
 def ring_floor(quick: bool) -> dict:
     legs = 60 if quick else 200
     out = {}
@@ -343,6 +429,8 @@ def main() -> int:
     )
     log(f"JetStream ring floor at {WAN_MS:g} ms per link")
     result["ring25"] = ring_floor(args.quick)
+    log(f"replication across regions at {WAN_MS:g} ms (a stretched cluster, the alternative to the supercluster)")
+    result["replication25"] = replication(args.quick)
     for kind in args.topologies.split(","):
         for hops in (2, 3):
             log(f"{kind}, {hops} hops")

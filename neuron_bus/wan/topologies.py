@@ -202,3 +202,27 @@ class RegionSwarm(_Emulated):
             if r == region:
                 self.kill(node)
         self.server(region).stop()
+
+
+def stretched_cluster(emulator, workdir: Path, regions: tuple[str, ...], delay_ms: float) -> list[NatsServer]:
+    """The alternative docs/wan.md rejects, for measuring it: one NATS cluster stretched over the
+    regions (a server per region, routes over each region's emulated WAN link), unstarted. Every
+    route connection into a region passes its link; each server advertises its link's address so
+    that route gossip cannot bypass it."""
+    route = {r: free_port() for r in regions}
+    wan = {r: emulator.add_link(f"route-{r}", route[r], delay_ms=delay_ms) for r in regions}
+    return [
+        NatsServer(
+            ServerConfig(
+                store_dir=workdir / f"stretched-{r}",
+                port=free_port(),
+                http_port=free_port(),
+                server_name=f"nats-{r}",
+                cluster_name="stretched",
+                cluster_port=route[r],
+                cluster_advertise=f"127.0.0.1:{wan[r]}",
+                routes=[f"nats-route://127.0.0.1:{wan[o]}" for o in regions if o != r],
+            )
+        )
+        for r in regions
+    ]
