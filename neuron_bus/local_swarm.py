@@ -111,7 +111,8 @@ class LocalSwarm:
             from neuron_bus.trust.permissions import render
 
             auth = render(credentials)
-        self.servers = nats_servers(self.workdir, cluster, nats_port, http_port, auth)
+        self.servers = self._make_servers(cluster, nats_port, http_port, auth)
+        self.replicas = len(self.servers)  # copies of every stream and bucket
         self.prefill_window = prefill_window
         self.from_store = from_store  # publish the model to the shard swarm; workers fetch their range
         self.artifact_id: str | None = None
@@ -125,6 +126,16 @@ class LocalSwarm:
         self.gateway_extra = gateway_extra or []
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands: dict[str, list[str]] = {}  # name -> the arguments it was started with
+
+    def _make_servers(self, cluster: int, nats_port: int | None, http_port: int | None, auth: str) -> list[NatsServer]:
+        """The swarm's nats-servers (a hook: wan/topologies.py builds other topologies)."""
+        return nats_servers(self.workdir, cluster, nats_port, http_port, auth)
+
+    def process_url(self, name: str, role: str) -> str:
+        """The bus URL the process ``name`` (a worker's node id, tracker, auditor, gateway) is started
+        with, as ``role``. Here every process reaches the servers directly; wan/topologies.py puts
+        emulated links in between."""
+        return self.role_url(role)
 
     @property
     def plain_url(self) -> str:
@@ -171,7 +182,7 @@ class LocalSwarm:
                 "--backend",
                 self.backend,
                 "--nats",
-                self.role_url("worker"),
+                self.process_url(spec.node_id, "worker"),
                 "--threads",
                 str(self.threads),
                 "--node-id",
@@ -205,10 +216,10 @@ class LocalSwarm:
             step("publishing the model to the shard swarm")
             self.artifact_id = asyncio.run(self._publish())
         step("tracker")
-        self._spawn("tracker", ["tracker", "--nats", self.role_url("tracker"), *self.tracker_extra])
+        self._spawn("tracker", ["tracker", "--nats", self.process_url("tracker", "tracker"), *self.tracker_extra])
         if self.auditor_extra is not None:
             step("auditor")
-            self._spawn("auditor", ["auditor", "--nats", self.role_url("auditor"), *self.auditor_extra])
+            self._spawn("auditor", ["auditor", "--nats", self.process_url("auditor", "auditor"), *self.auditor_extra])
         for spec in self.workers:
             step(f"worker {spec.node_id}: layers {format_layers(*spec.layers)}")
             self.start_worker(spec)
@@ -218,7 +229,14 @@ class LocalSwarm:
             step(f"gateway on {self.gateway_url}")
             self._spawn(
                 "gateway",
-                ["gateway", "--nats", self.role_url("gateway"), "--port", str(self.gateway_port), *self.gateway_extra],
+                [
+                    "gateway",
+                    "--nats",
+                    self.process_url("gateway", "gateway"),
+                    "--port",
+                    str(self.gateway_port),
+                    *self.gateway_extra,
+                ],
             )
             self.wait_gateway(timeout)
         return self
@@ -266,7 +284,7 @@ class LocalSwarm:
             deadline = time.monotonic() + 60.0
             while True:  # a fresh cluster may still be electing its meta leader
                 try:
-                    await ensure_topology(nc.jetstream(), replicas=len(self.servers), update=True, **kw)
+                    await ensure_topology(nc.jetstream(), replicas=self.replicas, update=True, **kw)
                     return
                 except Exception:
                     if time.monotonic() > deadline:

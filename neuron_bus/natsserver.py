@@ -7,6 +7,7 @@ JetStream is healthy, and stops the process by PID. It is used by `neuron-bus se
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -84,6 +85,12 @@ class ServerConfig:
     cluster_host: str | None = None
     cluster_port: int | None = None
     routes: list[str] = field(default_factory=list)
+    cluster_advertise: str | None = None  # what this server tells its route peers to dial
+    # a supercluster: this server's cluster joins others through gateways (the gateway is named after
+    # cluster_name); gateways maps each other cluster's name to the URLs to reach its gateway port
+    gateway_port: int | None = None
+    gateways: dict[str, list[str]] = field(default_factory=dict)
+    gateway_advertise: str | None = None  # what this gateway tells the others to dial (see wan/topologies.py)
     extra: str = ""  # appended verbatim (authorization blocks, TLS, ...)
 
     def render(self) -> str:
@@ -107,8 +114,22 @@ class ServerConfig:
                 "cluster {",
                 f'  name: "{self.cluster_name}"',
                 f'  listen: "{self.cluster_host or self.host}:{self.cluster_port}"',
+                *([f'  advertise: "{self.cluster_advertise}"'] if self.cluster_advertise else []),
                 "  routes: [",
                 *[f'    "{r}"' for r in self.routes],
+                "  ]",
+                "}",
+            ]
+        if self.gateway_port:
+            if not self.cluster_name:
+                raise ServerError("bad_config", "a gateway needs a cluster name")
+            lines += [
+                "gateway {",
+                f'  name: "{self.cluster_name}"',
+                f'  listen: "{self.cluster_host or self.host}:{self.gateway_port}"',
+                *([f'  advertise: "{self.gateway_advertise}"'] if self.gateway_advertise else []),
+                "  gateways: [",
+                *[f'    {{name: "{name}", urls: {json.dumps(urls)}}}' for name, urls in self.gateways.items()],
                 "  ]",
                 "}",
             ]
@@ -146,6 +167,8 @@ class NatsServer:
         ]
         if cfg.cluster_port:
             out.append(("nats-server cluster port", cfg.cluster_port, "--cluster-port"))
+        if cfg.gateway_port:
+            out.append(("nats-server gateway port", cfg.gateway_port, "gateway_port"))
         return out
 
     def start(self, timeout: float = 20.0) -> NatsServer:

@@ -150,14 +150,14 @@ def scrape(port: int, name: str, **labels) -> float:
     return 0.0
 
 
-async def generation(client: NeuronClient, route, ids: list[int], n_decode: int) -> dict:
+async def generation(client: NeuronClient, route, ids: list[int], n_decode: int, chunk_size: int = 512) -> dict:
     """One greedy generation of exactly n_decode + 1 tokens; token arrival times."""
     t0 = time.perf_counter()
     stamps = []
     async for ev in client.generate(
         prompt_tokens=ids,
         route=route,
-        chunk_size=512,
+        chunk_size=chunk_size,
         sampling=M.SamplingParams(max_tokens=n_decode + 1, ignore_eos=True),
     ):
         if isinstance(ev, M.TokenDelta):
