@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
+from neuron_bus.admission import DEFAULT_LIMIT as DEFAULT_QUEUE_LIMIT
+from neuron_bus.admission import Admission
 from neuron_bus.errors import RouteError
 from neuron_bus.generation import PREFILL_RETRIES, STALL_TIMEOUT_S, GenerationRun  # noqa: F401  (re-exported)
 from neuron_bus.models import DEFAULT_PRESET
@@ -54,14 +56,15 @@ CONTROL_TIMEOUT_S = 30.0
 
 
 class NeuronClient:
-    def __init__(self, nc, url: str = ""):
+    def __init__(self, nc, url: str = "", queue_limit: int = DEFAULT_QUEUE_LIMIT):
         self.nc = nc
         self.js = nc.jetstream()
         self.url = url
+        self.admission = Admission(queue_limit)  # generations waiting for a free session slot
 
     @classmethod
-    async def connect(cls, url: str) -> NeuronClient:
-        return cls(await connect(url, name="neuron-bus-client"), url)
+    async def connect(cls, url: str, queue_limit: int = DEFAULT_QUEUE_LIMIT) -> NeuronClient:
+        return cls(await connect(url, name="neuron-bus-client"), url, queue_limit)
 
     async def close(self) -> None:
         await self.nc.drain()

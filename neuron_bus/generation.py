@@ -107,7 +107,8 @@ class GenerationRun:
             while True:
                 try:
                     if need_start:
-                        await self._start()
+                        async for queued in self._start():  # "queued" telemetry while the swarm is full
+                            yield queued
                         need_start = False
                     async for event in self._route_events():
                         if isinstance(event, M.TokenDelta):
@@ -133,7 +134,37 @@ class GenerationRun:
 
     # ------------------------------------------------------------------ start
 
-    async def _start(self) -> None:
+    async def _start(self) -> AsyncIterator[M.GenerationTelemetry]:
+        """Route, tokenize and open every hop; when no slot is free, wait in the client's queue
+        (admission.py), yielding where in it this generation stands."""
+        admission = self.client.admission
+        if not admission.queues:
+            await self._try_start()
+            return
+        ticket = admission.enter()
+        try:
+            while True:
+                while (position := admission.position(ticket)) > 0:
+                    yield await self._queued(position)
+                    await admission.changed(admission.retry_s)
+                try:
+                    await self._try_start()
+                    return
+                except RouteError as exc:
+                    if exc.reason != "no_free_slot":
+                        raise
+                    await self._close_sessions()  # the hops that had a slot give it back meanwhile
+                    yield await self._queued(0)
+                    await admission.changed(admission.retry_s)
+        finally:
+            admission.leave(ticket)
+
+    async def _queued(self, position: int) -> M.GenerationTelemetry:
+        self.progress.queued(position)
+        await self._publish_progress()
+        return self.progress.snapshot()
+
+    async def _try_start(self) -> None:
         prepared = await self.client.prepare(
             self.model_preset,
             prompt=self.prompt,
@@ -302,9 +333,12 @@ class GenerationRun:
 
     async def _close_sessions(self) -> None:
         """Free the session on every hop that holds it, all at once; a node that is gone took its cache with it."""
+        if not self.opened:
+            return
         close = M.SessionClose(session_id=self.session_id, route_id=self.live_route.route_id)
         await asyncio.gather(*(self.client.control(n, close, timeout=5) for n in self.opened), return_exceptions=True)
         self.opened.clear()
+        self.client.admission.released()  # a generation waiting for a slot may try now
 
     async def _close(self) -> None:
         self._cancel_tasks()

@@ -345,6 +345,7 @@ class GenerationTelemetry(Struct):
     failure_reason: str | None = None
     failure_phase: Phase | None = None  # the last phase before the failure
     failure_node: str | None = None
+    queue_position: int | None = None  # phase queued: generations ahead of this one, waiting for a free slot
     ts: float = 0.0
 
 

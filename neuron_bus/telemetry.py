@@ -31,11 +31,18 @@ class GenerationProgress:
         self.failure_reason: str | None = None
         self.failure_phase: M.Phase | None = None
         self.failure_node: str | None = None
+        self.queue_position: int | None = None
         self._first_token_at: float | None = None
         self._recent: deque[float] = deque()
         self._last_sent = 0.0
 
+    def queued(self, position: int) -> None:
+        """Waiting for a free session slot, ``position`` generations ahead in the queue."""
+        self.phase = "queued"
+        self.queue_position = position
+
     def prefill(self, done: int) -> None:
+        self.queue_position = None
         self.phase = "prefill"
         self.prefill_done = done
 
@@ -96,6 +103,7 @@ class GenerationProgress:
             failure_reason=self.failure_reason,
             failure_phase=self.failure_phase,
             failure_node=self.failure_node,
+            queue_position=self.queue_position,
             ts=time.time(),
         )
 

@@ -4,6 +4,7 @@ greedy output equal to the same prompt's solo run."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -75,3 +76,57 @@ def test_sixteen_concurrent_sessions_all_complete_with_their_solo_output(swarm):
         assert g.tokens == s
     assert all(r.sessions == [] for r in reports)  # every session closed, nothing left behind
     assert all(sum(r.rejected.values()) == 0 for r in reports)  # nothing dropped or refused on the way
+
+
+@pytest.fixture(scope="module")
+def eight_slot_swarm(smollm2_path, tmp_path_factory):
+    """The defaults of `neuron-bus up`: 8 KV slots per worker, and a gateway."""
+    from neuron_bus.natsserver import free_port
+
+    s = LocalSwarm(smollm2_path, 2, workdir=tmp_path_factory.mktemp("queue"), gateway_port=free_port())
+    s.start()
+    yield s
+    s.stop()
+
+
+def test_twenty_four_requests_on_eight_slots_all_finish_with_their_solo_output_the_rest_queued(eight_slot_swarm):
+    """Issue 18: three times as many concurrent requests as a worker has KV slots, through the gateway."""
+    import aiohttp
+
+    url = eight_slot_swarm.gateway_url + "/v1/completions"
+    prompts = [f"Tell me about {s}." for s in SUBJECTS + SUBJECTS[:8]]
+
+    async def one(session: aiohttp.ClientSession, prompt: str) -> tuple[str, list[str]]:
+        body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": N_TOKENS, "stream": True}
+        text, phases, finish = [], [], None
+        async with session.post(url, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if line.startswith(": telemetry "):
+                    t = json.loads(line[len(": telemetry ") :])
+                    phases.append((t["phase"], t.get("queue_position")))
+                elif line.startswith("data: {"):
+                    chunk = json.loads(line[len("data: ") :])
+                    assert "error" not in chunk, chunk
+                    text.append(chunk["choices"][0]["text"])
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+        assert finish in ("stop", "length"), (prompt, finish)
+        return "".join(text), phases
+
+    async def scenario():
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            solo = [await one(session, p) for p in prompts[:16]]
+            together = await asyncio.gather(*(one(session, p) for p in prompts))
+            return solo, together
+
+    solo, together = asyncio.run(scenario())
+    texts = [t for t, _ in together]
+    alone = [t for t, _ in solo]
+    assert texts == alone + alone[:8]  # each its solo output (greedy), queued or not
+    queued = [p for _, p in together if any(ph == "queued" and pos is not None for ph, pos in p)]
+    assert len(queued) >= 24 - 8 - 2  # at most 8 sessions fit at once: the others waited their turn
+    for phases in queued:  # a queued request hears its place in the queue before anything else happens
+        first = next(i for i, (ph, pos) in enumerate(phases) if ph == "queued" and pos is not None)
+        assert all(ph in ("queued", "loading") for ph, _ in phases[:first])

@@ -6,6 +6,7 @@ import asyncio
 
 import typer
 
+from neuron_bus.admission import DEFAULT_LIMIT as DEFAULT_QUEUE_LIMIT
 from neuron_bus.cli.app import NatsOption, app, fail
 
 
@@ -16,6 +17,9 @@ def gateway(
     port: int = typer.Option(8080, min=1, max=65535, help="HTTP port."),
     max_context: int = typer.Option(4096, min=2, help="Prompt + generated tokens per request at most (413 beyond)."),
     chunk_size: int = typer.Option(128, min=1, help="Prefill chunk size in tokens (progress granularity)."),
+    max_queue: int = typer.Option(
+        DEFAULT_QUEUE_LIMIT, min=0, help="Requests that may wait for a free session slot (429 beyond; 0: 503 at once)."
+    ),
 ) -> None:
     """Serve the OpenAI-compatible API, the WebSocket /ws, the web page, /metrics and /healthz."""
     from neuron_bus.errors import ServerError
@@ -32,6 +36,7 @@ def gateway(
         typer.echo(f"gateway on {url} (OpenAI API {url}/v1, WebSocket {url.replace('http', 'ws', 1)}/ws)", err=True)
 
     try:
-        asyncio.run(serve(nats, host, port, Limits(max_context=max_context), chunk_size, on_ready=ready))
+        limits = Limits(max_context=max_context, max_queue=max_queue)
+        asyncio.run(serve(nats, host, port, limits, chunk_size, on_ready=ready))
     except OSError as exc:  # no NATS server, or the port is taken
         fail(f"gateway cannot start: {exc}")

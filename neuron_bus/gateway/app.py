@@ -87,7 +87,7 @@ async def serve(
     nats_url: str, host: str, port: int, limits: Limits = Limits(), chunk_size: int = 128, on_ready=None
 ) -> None:
     """Connect to the bus, serve HTTP until SIGINT/SIGTERM, then stop cleanly."""
-    client = await NeuronClient.connect(nats_url)
+    client = await NeuronClient.connect(nats_url, queue_limit=limits.max_queue)
     runner = web.AppRunner(create_app(client, limits, chunk_size), access_log=None)
     await runner.setup()
     try:

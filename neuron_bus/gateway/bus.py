@@ -78,10 +78,11 @@ def routable(report: M.CoverageReport) -> list[str]:
     return sorted({m.model_preset for m in report.models if m.layers and all(row.replicas for row in m.layers)})
 
 
-# Route failures that mean "not now" (the swarm is full, or a part of it is not reachable yet) and
-# when to try again; a client should retry them (HTTP 503). Any other failure is a fault of a
-# node upstream (502).
+# Route failures that mean "not now" and when to try again: the queue of generations waiting for a
+# free session slot is full (HTTP 429), or the swarm is full with queueing off, or a part of it is
+# not reachable yet (503). Any other failure is a fault of a node upstream (502).
 RETRY_AFTER_S = {
+    "queue_full": 5,
     "no_free_slot": 2,
     "no_route": 5,
     "no_tracker": 5,
@@ -95,6 +96,9 @@ def route_api_error(exc: RouteError, session_id: str | None = None) -> ApiError:
     """The HTTP answer to a failed route: 503 with Retry-After for our own limits, else 502."""
     fields = route_error_body(exc, session_id)
     message = fields.pop("message")
+    if exc.reason == "queue_full":
+        fields["type"] = "rate_limit_exceeded"
+        return ApiError(429, message, retry_after=RETRY_AFTER_S[exc.reason], **fields)
     if exc.reason in RETRY_AFTER_S:
         fields["type"] = "service_unavailable"
         return ApiError(503, message, retry_after=RETRY_AFTER_S[exc.reason], **fields)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from neuron_bus import messages as M
+from neuron_bus.admission import DEFAULT_LIMIT as DEFAULT_QUEUE_LIMIT
 
 TOP_LOGPROBS_MAX = 5  # alternatives the route's tail reports per token
 
@@ -53,6 +54,7 @@ class ApiError(Exception):
 class Limits:
     max_context: int = 4096  # prompt + generated tokens per session (workers default to 4608 positions)
     max_body_bytes: int = 1 << 20
+    max_queue: int = DEFAULT_QUEUE_LIMIT  # generations waiting for a free session slot (429 beyond; 0: 503 at once)
     chars_per_token: int = 16  # a prompt longer than max_context * this is refused before tokenizing
 
     @property

@@ -25,7 +25,7 @@ from aiohttp import WSMsgType, web
 
 from neuron_bus import messages as M
 from neuron_bus.client import RouteError
-from neuron_bus.gateway.bus import Bus, Tally, routable, route_error_body
+from neuron_bus.gateway.bus import Bus, Tally, routable, route_api_error, route_error_body
 from neuron_bus.gateway.openai_api import BUS
 from neuron_bus.gateway.validation import ApiError, ws_request
 
@@ -105,8 +105,9 @@ class Socket:
                     kind = "telemetry" if isinstance(event, M.GenerationTelemetry) else "token"
                     await self.send({"type": kind, **msgspec.to_builtins(event)})
         except RouteError as exc:  # the final word of a failed route: reason, phase, node
-            self.bus.metrics.errors.labels("/ws", "502").inc()
-            await self.send(self._error_message(route_error_body(exc, tally.session_id), "generate", 502))
+            status = route_api_error(exc).status  # 429 (queue full), 503 (not now) or 502 (a node failed)
+            self.bus.metrics.errors.labels("/ws", str(status)).inc()
+            await self.send(self._error_message(route_error_body(exc, tally.session_id), "generate", status))
             return
         await self.send(
             {
