@@ -29,8 +29,21 @@ from workers.errors import BackendError, BadInput, UnsupportedModel
 
 _LIB_DIR = pathlib.Path(L.__file__).resolve().parent / "lib"
 
-# Node name of the residual stream after layer `il` in llama.cpp's graphs (pinned by a test).
+# Node name of the residual stream after layer `il` in llama.cpp's graphs (pinned by a test), and
+# the architectures whose graphs name it otherwise. Nemotron-H calls its residual
+# ``nemotron_h_block_out`` and uses ``l_out`` for the FFN output *before* the residual add: a tap
+# on ``l_out`` there runs without error and hands the next hop the wrong tensor.
 LAYER_OUTPUT_NODE = "l_out-{il}"
+LAYER_OUTPUT_NODES = {
+    "nemotron_h": "nemotron_h_block_out-{il}",
+    "nemotron_h_moe": "nemotron_h_block_out-{il}",
+}
+
+
+def layer_output_node(arch: str, il: int) -> str:
+    """The graph node holding the residual stream after layer ``il`` of an ``arch`` model."""
+    return LAYER_OUTPUT_NODES.get(arch, LAYER_OUTPUT_NODE).format(il=il)
+
 
 _KV_TYPES = {"f16": L.GGML_TYPE_F16, "f32": L.GGML_TYPE_F32, "q8_0": L.GGML_TYPE_Q8_0}
 _KV_TYPE_BYTES = {"f16": 2.0, "f32": 4.0, "q8_0": 34 / 32}
@@ -125,14 +138,15 @@ class ContextConfig:
 
 
 class LayerOutputTap:
-    """Eval callback: copy node ``l_out-<n_layer-1>`` (every ubatch) and stop the graph there.
+    """Eval callback: copy the last layer's residual output (node ``l_out-<n_layer-1>`` in most
+    architectures, see ``layer_output_node``) every ubatch, and stop the graph there.
 
     llama_decode may split a batch into several ubatches; each one runs the graph once, so the
     rows are collected in call order and concatenated by ``take``.
     """
 
-    def __init__(self, n_layer: int, n_embd: int):
-        self.node = LAYER_OUTPUT_NODE.format(il=n_layer - 1).encode()
+    def __init__(self, n_layer: int, n_embd: int, arch: str = "llama"):
+        self.node = layer_output_node(arch, n_layer - 1).encode()
         self.n_embd = n_embd
         self.armed = False  # only decodes of a non-tail hop read the boundary
         self._chunks: list[np.ndarray] = []
@@ -185,12 +199,19 @@ class Rows:
 
 
 class Batch:
-    """A llama_batch of token rows (n_embd == 0) or hidden-state rows, freed on close."""
+    """A llama_batch of token rows (n_embd == 0) or hidden-state rows, freed on close.
 
-    def __init__(self, capacity: int, n_embd: int):
+    Models with multi-section RoPE (M-RoPE, interleaved M-RoPE: Qwen3.5, Qwen3-VL) read
+    ``pos_streams`` positions per hidden-state row, stream after stream (``pos[j * n + i]``; token
+    rows are broadcast by llama.cpp itself): text has the same position in every stream.
+    """
+
+    def __init__(self, capacity: int, n_embd: int, pos_streams: int = 1):
         self.capacity = capacity
         self.n_embd = n_embd
-        self.raw = L.llama_batch_init(capacity, n_embd, 1)
+        self.pos_streams = pos_streams if n_embd else 1
+        # llama_batch_init sizes pos by its first argument: room for every stream
+        self.raw = L.llama_batch_init(capacity * self.pos_streams, n_embd, 1)
 
     def fill(self, parts: list[Rows], outputs: str) -> list[int]:
         """Write the rows; ``outputs`` is "all" or "last" (last row of each part).
@@ -218,6 +239,9 @@ class Batch:
             i += n
             last_rows.append(i - 1)
         b.n_tokens = i
+        for j in range(1, self.pos_streams):
+            for k in range(i):
+                b.pos[j * i + k] = b.pos[k]
         return last_rows
 
     def close(self) -> None:
@@ -287,9 +311,12 @@ class LlamaCppModel:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_head_kv = L.llama_model_n_head_kv(self.model)
         self.n_swa = L.llama_model_n_swa(self.model)
+        # hidden-state rows carry one position per RoPE section stream (llama_hparams::n_pos_per_embd)
+        multi = (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE)
+        self.pos_streams = 4 if L.llama_model_rope_type(self.model) in multi else 1
         self.n_slots = n_slots
         self.n_batch = n_batch
-        self.tap = LayerOutputTap(self.n_layer, self.n_embd) if tap_output else None
+        self.tap = LayerOutputTap(self.n_layer, self.n_embd, self.arch) if tap_output else None
 
         cparams = L.llama_context_default_params()
         cparams.n_ctx = n_ctx_slot * n_slots
@@ -338,7 +365,7 @@ class LlamaCppModel:
 
     def _batch(self, embd: bool) -> Batch:
         if embd not in self._batches:
-            self._batches[embd] = Batch(self.n_batch, self.n_embd if embd else 0)
+            self._batches[embd] = Batch(self.n_batch, self.n_embd if embd else 0, self.pos_streams)
         return self._batches[embd]
 
     def decode(self, parts: list[Rows], want: str) -> list[np.ndarray]:

@@ -164,7 +164,9 @@ def needed_shared(shared: list[str], n_layers: int, start: int, end: int) -> tup
     (its lm_head is token_embd). llama.cpp still loads token_embd in every other slice, but
     never reads it there (embeddings are injected), so it can be zeros: a placeholder costs
     no download. output_norm and output are needed by the tail; output_norm is loaded by
-    every slice and is tiny, so it is always real. Works from tensor names alone, so a
+    every slice and is tiny, so it is always real. A model with its own ``output`` gets it in
+    every slice, zeros before the tail: some architectures' loaders (gpt-oss) require it even
+    where the graph never reaches the head. Works from tensor names alone, so a
     manifest can be planned without the model file.
     """
     ties_embeddings = OUTPUT not in shared
@@ -174,8 +176,8 @@ def needed_shared(shared: list[str], n_layers: int, start: int, end: int) -> tup
         real.append(TOKEN_EMBD)
     else:
         placeholder.append(TOKEN_EMBD)
-    if is_tail and not ties_embeddings:
-        real.append(OUTPUT)
+    if not ties_embeddings:  # several architectures (gpt-oss, ...) insist on `output` in every slice
+        (real if is_tail else placeholder).append(OUTPUT)
     for name in shared:  # architecture extras (rope factors, ...)
         if name not in (TOKEN_EMBD, OUTPUT_NORM, OUTPUT):
             real.append(name)
