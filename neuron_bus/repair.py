@@ -4,8 +4,11 @@ Orchestrated by the client (it knows the prompt and every token already emitted)
 
 1. The tracker's coverage map names a live replacement with the dead hop's exact layer range,
    model revision, backend and cache ABI (anything else is never used).
-2. Every surviving hop reports its position for the session; a hop that lost it (restarted)
-   ends the repair.
+2. Every surviving hop must be able to go back to the snapshot's position: a hop whose cache
+   holds recurrent state (its capability report says ``supports_truncate`` false: llama.cpp keeps
+   only a sequence's newest recurrent state) ends the repair before any snapshot is used. Every
+   surviving hop reports its position for the session; a hop that lost it (restarted) ends the
+   repair.
 3. The repaired route is the old one under a new route id with the replacement in the dead hop's
    place (stray messages of the old route are rejected as wrong_route; its subjects are purged).
 4. The replacement imports the newest compatible snapshot at or before the lowest surviving
@@ -78,6 +81,36 @@ def pick_replacement(
     return min(candidates, key=lambda n: (n.slow, n.sessions_active + n.recently_assigned, n.node_id))
 
 
+def rollback_problem(reports: dict[str, M.CapabilityReport], route: M.RouteAssignment, dead_index: int) -> str | None:
+    """Why the hops surviving ``route.hops[dead_index]`` cannot go back to a snapshot's position,
+    or None when they can. ``reports`` are the nodes' capability reports by node id (a node
+    without one is assumed to truncate, as every backend did before reports said so)."""
+    for i, h in enumerate(route.hops):
+        report = reports.get(h.node_id)
+        if i != dead_index and report is not None and not report.supports_truncate:
+            return (
+                f"surviving hop {h.node_id} (layers {h.layer_start}-{h.layer_end - 1}, {report.model_arch}) keeps "
+                "recurrent state that cannot be truncated back to a snapshot's position: the session cannot be repaired"
+            )
+    return None
+
+
+async def capability_reports(js, node_ids: list[str]) -> dict[str, M.CapabilityReport]:
+    """The capability reports of ``node_ids`` from the ``neuron-nodes`` KV bucket (missing ones left out)."""
+    out: dict[str, M.CapabilityReport] = {}
+    try:
+        kv = await js.key_value(S.KV_NODES)
+    except Exception:
+        return out
+    for node_id in node_ids:
+        try:
+            entry = await kv.get(node_id)
+            out[node_id] = M.decode(entry.value, M.CapabilityReport)
+        except Exception:  # no report (or an unreadable one): nothing known about this node
+            continue
+    return out
+
+
 async def repair(
     client,
     route: M.RouteAssignment,
@@ -98,6 +131,10 @@ async def repair(
     index = next((i for i, h in enumerate(route.hops) if h.node_id == dead), None)
     if index is None:
         raise fail("repair_failed", f"node {dead} is not on route {route.route_id}")
+    reports = await capability_reports(client.js, [h.node_id for h in route.hops if h.node_id != dead])
+    problem = rollback_problem(reports, route, index)
+    if problem:
+        raise fail("no_rollback", problem)
     try:
         report = await client.coverage(route.model_preset, timeout=10)
     except NeuronBusError as exc:

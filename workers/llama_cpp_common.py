@@ -87,6 +87,7 @@ class _Ggml:
 _ggml: _Ggml | None = None
 _init_lock = threading.Lock()
 _log_cb = None
+_errors: list[str] = []  # llama.cpp's error log, kept so a failure can say what llama.cpp said
 
 
 def ggml() -> _Ggml:
@@ -108,7 +109,10 @@ def quiet_logs() -> None:
         if level == 4 and text:
             import sys
 
-            sys.stderr.write(text.decode("utf-8", "replace"))
+            line = text.decode("utf-8", "replace")
+            sys.stderr.write(line)
+            _errors.append(line)
+            del _errors[:-64]
 
     _log_cb = _cb
     L.llama_log_set(_log_cb, ctypes.c_void_p())
@@ -253,6 +257,12 @@ class Batch:
 # -- model + context ----------------------------------------------------------------------------
 
 
+def _errors_since(mark: int) -> str:
+    """What llama.cpp logged as errors since ``len(_errors)`` was ``mark`` (one line)."""
+    said = " ".join("".join(_errors[mark:]).split())
+    return f": {said}" if said else ""
+
+
 def _meta_str(model, key: str) -> str | None:
     buf = ctypes.create_string_buffer(4096)
     n = L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
@@ -267,11 +277,12 @@ def _meta_str(model, key: str) -> str | None:
 def read_metadata(path: str | pathlib.Path, keys: list[str]) -> dict[str, str | None]:
     """Scalar metadata of a GGUF as llama.cpp reads it (vocab-only load: no weights, fast)."""
     quiet_logs()
+    mark = len(_errors)
     mparams = L.llama_model_default_params()
     mparams.vocab_only = True
     model = L.llama_model_load_from_file(str(path).encode(), mparams)
     if not model:
-        raise UnsupportedModel(f"llama.cpp cannot read {path}")
+        raise UnsupportedModel(f"llama.cpp cannot read {path}{_errors_since(mark)}")
     try:
         return {k: _meta_str(model, k) for k in keys}
     finally:
@@ -297,13 +308,14 @@ class LlamaCppModel:
         tap_output: bool,
     ):
         quiet_logs()
+        mark = len(_errors)
         self.path = pathlib.Path(path)
         self.config = config
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = 0
         self.model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
-            raise UnsupportedModel(f"llama.cpp cannot load {self.path}")
+            raise UnsupportedModel(f"llama.cpp cannot load {self.path}{_errors_since(mark)}")
         self.vocab = L.llama_model_get_vocab(self.model)
         self.arch = _meta_str(self.model, "general.architecture") or "unknown"
         self.n_layer = L.llama_model_n_layer(self.model)
@@ -332,14 +344,14 @@ class LlamaCppModel:
         cparams.type_k = _KV_TYPES[config.kv_type]
         cparams.type_v = _KV_TYPES[config.kv_type]
         cparams.no_perf = True
-        cparams.swa_full = True  # sliding-window layers keep every cell: kv_bytes_per_slot stays exact
+        cparams.swa_full = True  # sliding-window layers keep a full-size cache: a slot's size is n_ctx cells
         if self.tap is not None:
             cparams.cb_eval = self.tap.callback
             cparams.cb_eval_user_data = None
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)
-            raise LlamaCppError(f"llama.cpp could not create a context for {self.path}")
+            raise LlamaCppError(f"llama.cpp could not create a context for {self.path}{_errors_since(mark)}")
         self.n_ctx_slot = L.llama_n_ctx_seq(self.ctx)
         self.memory = L.llama_get_memory(self.ctx)
         self._batches: dict[bool, Batch] = {}
@@ -347,19 +359,34 @@ class LlamaCppModel:
 
     # -- sizes -----------------------------------------------------------------------------
 
-    def kv_bytes_per_slot(self) -> int:
-        """Bytes of K and V this slice holds for one slot (layers of this file only).
+    def measure_state(self, seq: int, takes_tokens: bool, rng: np.random.Generator) -> tuple[int, int, bool]:
+        """(bytes per position, fixed bytes, truncatable) of a sequence's state, as llama.cpp counts it.
 
-        Computed the way llama.cpp sizes its cache: every layer keeps ``n_ctx_slot`` cells of
-        n_embd_k_gqa + n_embd_v_gqa values; sliding-window layers keep a window-sized cache.
+        The state of 2 and then 4 positions on the free sequence ``seq`` is exported: what grows
+        per position is the cache's share (K/V rows, MLA latents, indexer keys, plus each cell's
+        position bookkeeping), what does not is recurrent (or compressor) state. Then the sequence
+        is cut back to 2 positions: llama.cpp refuses when its state cannot go back. Every
+        architecture's cache layout is llama.cpp's business; this asks it rather than re-deriving it.
         """
-        head_k = _meta_int(self, "attention.key_length") or self.n_embd // max(1, L.llama_model_n_head(self.model))
-        head_v = _meta_int(self, "attention.value_length") or head_k
-        per_cell = self.n_head_kv * (head_k + head_v) * _KV_TYPE_BYTES[self.config.kv_type]
-        return int(round(self.n_ctx_slot * self.n_layer * per_cell))
+        want = "hidden" if self.tap is not None else "logits"
 
-    def kv_bytes_per_token(self) -> int:
-        return self.kv_bytes_per_slot() // max(1, self.n_ctx_slot)
+        def rows(position: int) -> Rows:
+            if takes_tokens:
+                x = rng.integers(3, self.n_vocab, size=2, dtype=np.int32)
+            else:
+                x = (0.1 * rng.standard_normal((2, self.n_embd))).astype(np.float32)
+            return Rows(seq, position, x)
+
+        try:
+            self.decode([rows(0)], want)
+            two = len(self.seq_state(seq))
+            self.decode([rows(2)], want)
+            four = len(self.seq_state(seq))
+            truncatable = self.forget_from(seq, 2)
+        finally:
+            self.clear(seq)
+        per_position = (four - two) // 2
+        return per_position, max(0, two - 2 * per_position), truncatable
 
     # -- decode ----------------------------------------------------------------------------
 
@@ -405,10 +432,11 @@ class LlamaCppModel:
     def clear(self, seq_id: int) -> None:
         self.forget_from(seq_id, 0)
 
-    def forget_from(self, seq_id: int, position: int) -> None:
-        """Drop the sequence's cells at positions >= ``position``."""
+    def forget_from(self, seq_id: int, position: int) -> bool:
+        """Drop the sequence's cells at positions >= ``position``; False when llama.cpp cannot
+        (a recurrent state holds only the newest position: it can be dropped whole, not cut back)."""
         with self.lock:
-            L.llama_memory_seq_rm(self.memory, seq_id, position, -1)
+            return bool(L.llama_memory_seq_rm(self.memory, seq_id, position, -1))
 
     def seq_state(self, seq_id: int) -> bytes:
         with self.lock:
@@ -442,8 +470,3 @@ class LlamaCppModel:
         if self.model:
             L.llama_model_free(self.model)
             self.model = None
-
-
-def _meta_int(m: LlamaCppModel, suffix: str) -> int | None:
-    v = m.meta(f"{m.arch}.{suffix}")
-    return int(v) if v is not None and v.strip().lstrip("-").isdigit() else None

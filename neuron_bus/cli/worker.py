@@ -36,6 +36,7 @@ def build_report(
     trust_tier: str,
     slow_ms: float = 0.0,
     layer_kinds: list[str] | None = None,
+    active_parameters: list[float] | None = None,
 ) -> M.CapabilityReport:
     cap = msgspec.structs.asdict(backend.capability)
     cap["prefill_tokens_per_second"] = slowed(cap["prefill_tokens_per_second"], 256, slow_ms)
@@ -53,6 +54,7 @@ def build_report(
         trust_tier=trust_tier,
         started_at=time.time(),
         layer_kinds=list(layer_kinds or []),
+        active_parameters_per_layer=[round(w, 6) for w in active_parameters or []],
         **cap,
     )
 
@@ -165,10 +167,12 @@ def worker(
         )
         be = open_range(backend, path, start, end, threads=threads, **opts)
         tok = open_tokenizer(path)
-        work = owned_layer_work(gguf or path, be.layer_start, be.layer_end, be.n_layers)
+        owned = gguf or GGUFModel(path)
+        per_layer = [owned_layer_work(owned, i, i + 1, be.n_layers) for i in range(be.layer_start, be.layer_end)]
+        work = sum(per_layer)
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
-    report = build_report(node_id, be, preset, revision, artifact_id, trust_tier, slow_ms, kinds)
+    report = build_report(node_id, be, preset, revision, artifact_id, trust_tier, slow_ms, kinds, per_layer)
     options = WorkerOptions(
         idle_timeout=idle_timeout,
         max_decode_batch=max_decode_batch,
