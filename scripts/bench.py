@@ -94,6 +94,7 @@ def paired_decode(model_path: Path, threads: int, ids: list[int], n_decode: int,
     One session's route decode drifts with the machine's state more than the single process
     does; pairs measured seconds apart give a ratio that drift cannot skew.
     """
+
     async def route_rate(url: str) -> float:
         async with await NeuronClient.connect(url) as client:
             return decode_rate(await generation(client, await client.route(), ids, n_decode))
