@@ -7,19 +7,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import subprocess
 
 import numpy as np
 import pytest
 
 from neuron_bus import messages as M
+from neuron_bus.artifacts.cuts import layer_kinds
 from neuron_bus.artifacts.gguf_model import GGUFModel
 from neuron_bus.artifacts.synthetic import write_model
+from neuron_bus.artifacts.work import head_weights, owned_layer_work
 from neuron_bus.client import NeuronClient, RouteError
 from neuron_bus.execution import open_reference
 from neuron_bus.local_swarm import LocalSwarm, WorkerSpec, cli
 from neuron_bus.split import model_split
 from tests.test_reliability import node_alive
+from tests.test_trust import ledger_entries, read, wait_for
 from tests.test_up import running_up
 
 pytestmark = pytest.mark.timeout(600)
@@ -66,12 +70,28 @@ def test_a_two_hop_route_generates_the_whole_models_tokens(arch, tmp_path):
     """DeepSeek-2 (MLA + MoE with a dense first layer), Qwen3.5 (gated delta net + gated attention,
     M-RoPE) and Nemotron-H (Mamba-2 + attention + MLP blocks) over two worker processes."""
     path = write_model(tmp_path / f"{arch}.gguf", arch)
+    model = GGUFModel(path)
     ids, n = prompt_tokens(path), 32
     with LocalSwarm(path, 2, workdir=tmp_path / "swarm") as swarm:
-        assert [w.layers for w in swarm.workers] == model_split(GGUFModel(path), 2)
+        assert [w.layers for w in swarm.workers] == model_split(model, 2)
         g = asyncio.run(complete(swarm.url, swarm.preset, ids, n))
+
+        def entries():
+            es = [e for e in asyncio.run(read(swarm.url, ledger_entries)) if e.session_id == g.session_id]
+            return es if len(es) == 2 else None
+
+        ledger = {e.layer_start: e for e in wait_for(entries, 30, "two ledger entries")}
     assert len(g.route.hops) == 2
     assert g.tokens == reference_tokens(path, ids, n)
+    # the ledger credits each hop the weights its tokens multiply: for MoE layers the active experts
+    for (a, b), entry in zip(model_split(model, 2), (ledger[h.layer_start] for h in g.route.hops)):
+        assert entry.owned_layer_work == pytest.approx(owned_layer_work(model, a, b), rel=1e-6)
+        stored = sum(math.prod(t.shape) for t in model.layer_tensors(a, b)) / 1e6
+        stored += head_weights(model) / 1e6 if b == model.n_layers else 0
+        if any(k.endswith("+moe") for k in layer_kinds(model)[a:b]):
+            assert entry.owned_layer_work < 0.95 * stored
+        else:
+            assert entry.owned_layer_work == pytest.approx(stored, rel=1e-6)
 
 
 @pytest.mark.slow
