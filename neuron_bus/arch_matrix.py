@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from neuron_bus.artifacts.synthetic import ARCHITECTURES, write_model
-from neuron_bus.model_audit import TRUNCATION_UNSUPPORTED
+from neuron_bus.model_audit import TRUNCATION_UNSUPPORTED, kinds_summary
 
 N_PROMPT = 40
 N_DECODE = 32
@@ -49,16 +49,9 @@ class ArchRow:
         return asdict(self)
 
 
-def _counted(kinds: list[str]) -> str:
-    counts: dict[str, int] = {}
-    for k in kinds:
-        counts[k] = counts.get(k, 0) + 1
-    return ", ".join(f"{n} {k}" for k, n in counts.items())
-
-
 def row_from_audit(arch: str, audit: dict) -> ArchRow:
     """The matrix row of one architecture, from `neuron-bus audit model --json`'s report."""
-    row = ArchRow(arch, audit.get("n_layers"), _counted(audit.get("layer_kinds") or []))
+    row = ArchRow(arch, audit.get("n_layers"), kinds_summary(audit.get("layer_kinds") or []))
     row.active_parameters, row.total_parameters = audit.get("active_parameters"), audit.get("total_parameters")
     artifact, full = audit.get("artifact") or {}, audit.get("full_inference") or {}
     if not artifact.get("ok"):

@@ -115,7 +115,8 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _kinds_summary(kinds: list[str]) -> str:
+def kinds_summary(kinds: list[str]) -> str:
+    """'1 mla, 3 mla+moe': each kind with its count, in order of appearance."""
     counts: dict[str, int] = {}
     for k in kinds:
         counts[k] = counts.get(k, 0) + 1
@@ -138,7 +139,7 @@ def check_artifact(audit: ModelAudit) -> GGUFModel | None:
     audit.artifact = Check(
         True,
         f"{model.arch}, {model.n_layers} layers, hidden {audit.hidden_size}, {len(model.tensors)} tensors; "
-        f"layers: {_kinds_summary(audit.layer_kinds)}",
+        f"layers: {kinds_summary(audit.layer_kinds)}",
     )
     return model
 

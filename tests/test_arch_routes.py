@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from neuron_bus import messages as M
-from neuron_bus.artifacts.cuts import layer_kinds
+from neuron_bus.artifacts.cuts import is_moe, layer_kinds
 from neuron_bus.artifacts.gguf_model import GGUFModel
 from neuron_bus.artifacts.synthetic import write_model
 from neuron_bus.artifacts.work import head_weights, owned_layer_work
@@ -64,7 +64,6 @@ async def complete(url: str, preset: str, ids: list[int], n: int):
         )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["deepseek2", "qwen35", "nemotron_h"])
 def test_a_two_hop_route_generates_the_whole_models_tokens(arch, tmp_path):
     """DeepSeek-2 (MLA + MoE with a dense first layer), Qwen3.5 (gated delta net + gated attention,
@@ -88,13 +87,12 @@ def test_a_two_hop_route_generates_the_whole_models_tokens(arch, tmp_path):
         assert entry.owned_layer_work == pytest.approx(owned_layer_work(model, a, b), rel=1e-6)
         stored = sum(math.prod(t.shape) for t in model.layer_tensors(a, b)) / 1e6
         stored += head_weights(model) / 1e6 if b == model.n_layers else 0
-        if any(k.endswith("+moe") for k in layer_kinds(model)[a:b]):
+        if any(is_moe(k) for k in layer_kinds(model)[a:b]):
             assert entry.owned_layer_work < 0.95 * stored
         else:
             assert entry.owned_layer_work == pytest.approx(stored, rel=1e-6)
 
 
-@pytest.mark.slow
 def test_up_serves_a_synthetic_moe_model_with_the_whole_models_output(tmp_path):
     path = write_model(tmp_path / "qwen3moe.gguf", "qwen3moe")
     with running_up(tmp_path / "up", "--model", str(path)) as (_up, port, _gateway):
@@ -113,7 +111,6 @@ def test_up_serves_a_synthetic_moe_model_with_the_whole_models_output(tmp_path):
     assert tokens and tokens == reference_tokens(path, prompt_tokens(path), len(tokens))
 
 
-@pytest.mark.slow
 def test_a_hybrid_route_is_not_repaired_from_a_snapshot_and_says_why(tmp_path):
     """Snapshots of a Qwen3.5 session restore (tests/test_architectures.py), but repair also needs
     the surviving hop to go back to the snapshot's position, which recurrent state cannot."""
