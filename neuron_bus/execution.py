@@ -59,6 +59,12 @@ def open_range(
         raise BadInput(f"layer range [{start}, {end}) is outside the model's {n_layers} layers")
     if kind == "llama-cpp" and (start, end) != (0, n_layers):
         path = cached_slice(path, start, end, Path(cache_dir) if cache_dir else slice_cache_dir())
+        try:
+            return open_backend(kind, path, start, end, threads, n_layers=n_layers, **opts)
+        except UnsupportedModel as exc:  # llama.cpp names the slice's own (renumbered) tensors
+            raise UnsupportedModel(
+                f"{exc} (in the slice of layers {format_layers(start, end)}: blk.0 is layer {start})"
+            ) from None
     return open_backend(kind, path, start, end, threads, n_layers=n_layers, **opts)
 
 

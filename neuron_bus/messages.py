@@ -55,6 +55,10 @@ class CapabilityReport(BackendCapability, kw_only=True):
     trust_tier: TrustTier = "untrusted"
     started_at: float = 0.0
     layer_kinds: list[str] = []  # every layer of the whole model (artifacts/cuts.py); [] unknown
+    # millions of weights a token multiplies in each of this node's layers, [layer_start, layer_end):
+    # a mixture-of-experts layer counts its active experts only; the tail's last entry includes the
+    # output head (artifacts/work.py). [] unknown
+    active_parameters_per_layer: list[float] = []
 
 
 class NodeHeartbeat(Struct):
@@ -496,7 +500,9 @@ class CacheDescriptor(Struct):
     head_dim: int
     hidden_size: int
     kv_bytes_per_token_per_layer: int  # K and V at f16
-    layer_kinds: list[str] = []  # per layer: attention | swa (artifacts/cuts.py: where it may be cut)
+    layer_kinds: list[
+        str
+    ] = []  # per layer: attention, swa, mla, recurrent, mtp... (artifacts/cuts.py: where it may be cut)
 
 
 class ArtifactManifest(Struct):

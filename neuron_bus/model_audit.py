@@ -1,12 +1,17 @@
 """What a GGUF can do here, and why not when it cannot (`neuron-bus audit model PATH`).
 
-Three questions, each answered by running the model rather than by reading tables:
-1. artifact: can the GGUF be read (metadata, every layer's tensors)?
+Questions, each answered by running the model rather than by reading tables:
+1. artifact: can the GGUF be read (metadata, every layer's tensors, expert counts)? What is each
+   layer's kind, and which ranges can a slice hold (artifacts/cuts.py)?
 2. local full inference: does the whole model load in llama.cpp and produce finite logits?
-3. distributed layer-boundary execution, per backend: split at the middle layer, pass the hidden
-   states across the seam, and compare with the whole model over a short prompt and a few greedy
-   decode steps (llama-cpp: logits must be bit-identical to the whole model on llama.cpp; torch:
-   the split must agree with torch's own whole range).
+   What are its cache ABI and cache bytes per position (and the fixed state that does not grow)?
+3. distributed layer-boundary execution, per backend: 2- and 3-way splits (even where the cut
+   rules allow, else work-balanced), hidden states passed across every seam, compared with the
+   whole model over a prompt and greedy decode steps (llama-cpp: logits must be bit-identical to
+   the whole model on llama.cpp; torch: the split must agree with torch's own whole range).
+4. snapshots: the split's cache state exported mid-decode and imported into fresh sessions goes
+   on to the same logits; and truncating a session back to that position and replaying does too,
+   or the backend says it cannot (recurrent state), which is what repair checks before using one.
 
 Backends are opened through neuron_bus.execution (llama.cpp and torch load only when a check runs).
 """
@@ -19,7 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
+from neuron_bus.artifacts.cuts import cut_problem, layer_kinds
+from neuron_bus.artifacts.gguf_model import GGUFModel, format_layers
+from neuron_bus.artifacts.work import layer_work, stored_parameters
 from neuron_bus.execution import open_range, open_reference
+from neuron_bus.split import balanced_split
 
 PROMPT = "The quick brown fox jumps over the lazy dog because it wants to reach the river before the sun sets"
 BACKENDS = ("llama-cpp", "torch")
@@ -27,6 +36,7 @@ N_PROMPT = 16
 N_DECODE = 4
 N_CTX = 256
 TORCH_TOLERANCE = 1e-4  # max |logit difference| between torch split and torch whole range
+TRUNCATION_UNSUPPORTED = "truncation is unsupported (recurrent state)"
 
 
 @dataclass
@@ -36,14 +46,40 @@ class Check:
 
 
 @dataclass
+class CacheFacts:
+    cache_abi: str
+    bytes_per_token: int  # what one session's cache (and snapshot) grows by per position
+    fixed_bytes: int  # per-session state that does not grow (recurrent layers; plus a header)
+    supports_truncate: bool
+
+
+@dataclass
+class SplitResult:
+    ranges: list[tuple[int, int]]
+    bit_exact: bool
+    max_diff: float | None  # max |logit difference| from the whole model; None when it did not run
+    detail: str
+
+    @property
+    def where(self) -> str:
+        return "split " + " | ".join(format_layers(a, b) for a, b in self.ranges)
+
+
+@dataclass
 class ModelAudit:
     path: str
     arch: str | None = None
     n_layers: int | None = None
     hidden_size: int | None = None
+    layer_kinds: list[str] = field(default_factory=list)
+    active_parameters: float | None = None  # millions of weights a token multiplies (whole model)
+    total_parameters: float | None = None  # millions of weights the blocks and head store
     artifact: Check | None = None
     full_inference: Check | None = None
+    cache: CacheFacts | None = None
     layer_boundary: dict[str, Check] = field(default_factory=dict)
+    splits: list[SplitResult] = field(default_factory=list)  # llama-cpp's, one per split tried
+    snapshot: Check | None = None
 
     @property
     def summary(self) -> str:
@@ -79,51 +115,73 @@ def _reason(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def check_artifact(audit: ModelAudit) -> None:
-    from neuron_bus.artifacts.gguf_model import GGUFModel
+def kinds_summary(kinds: list[str]) -> str:
+    """'1 mla, 3 mla+moe': each kind with its count, in order of appearance."""
+    counts: dict[str, int] = {}
+    for k in kinds:
+        counts[k] = counts.get(k, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in counts.items())
 
+
+def check_artifact(audit: ModelAudit) -> GGUFModel | None:
     try:
         model = GGUFModel(Path(audit.path))
+        audit.layer_kinds = layer_kinds(model)
     except Exception as exc:  # ArtifactError for every known way a GGUF is broken
         audit.artifact = Check(False, _reason(exc))
-        return
+        return None
     audit.arch = model.arch
     audit.n_layers = model.n_layers
     hidden = model.field(f"{model.arch}.embedding_length")
     audit.hidden_size = int(hidden) if hidden is not None else None
+    audit.active_parameters = round(sum(layer_work(model)), 6)
+    audit.total_parameters = round(stored_parameters(model), 6)
     audit.artifact = Check(
-        True, f"{model.arch}, {model.n_layers} layers, hidden {audit.hidden_size}, {len(model.tensors)} tensors"
+        True,
+        f"{model.arch}, {model.n_layers} layers, hidden {audit.hidden_size}, {len(model.tensors)} tensors; "
+        f"layers: {kinds_summary(audit.layer_kinds)}",
     )
+    return model
 
 
-def _greedy(run, prompt: np.ndarray, n_decode: int) -> list[np.ndarray]:
-    """Logits after the prompt and after each greedy token; ``run(position, x)`` -> logits."""
+def _greedy(run, prompt: np.ndarray, n_decode: int, tokens: list[int] | None = None) -> list[np.ndarray]:
+    """Logits after the prompt and after each decode step; ``run(position, x)`` -> logits.
+
+    The steps feed the greedy token of the previous logits, or ``tokens`` when given (a
+    teacher-forced run that follows another run's choices)."""
     out = [run(0, prompt)]
     for k in range(n_decode):
-        token = np.array([int(out[-1].argmax())], dtype=np.int32)
-        out.append(run(len(prompt) + k, token))
+        token = int(out[-1].argmax()) if tokens is None else tokens[k]
+        out.append(run(len(prompt) + k, np.array([token], dtype=np.int32)))
     return out
 
 
-def _through(backends, sid: str):
+def _through(backends, sid: str, open_session: bool = True):
     def run(pos, x):
         for b in backends:
             x = b.prefill(sid, pos, x) if x.shape[0] > 1 else b.decode_step(sid, pos, x)
         return x
 
-    for b in backends:
-        b.open_session(sid, N_CTX)
+    if open_session:
+        for b in backends:
+            b.open_session(sid, N_CTX)
     return run
 
 
-def check_full_inference(audit: ModelAudit, threads: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
+def check_full_inference(
+    audit: ModelAudit, threads: int, n_prompt: int = N_PROMPT, n_decode: int = N_DECODE
+) -> tuple[np.ndarray, list[np.ndarray]] | None:
     """Run the whole model on llama.cpp; return (prompt ids, reference logits) when it works."""
     full = None
     try:
-        full = open_reference(audit.path, n_ctx=N_CTX, max_sessions=1, threads=threads)
-        ids = full.tokenize(PROMPT)[:N_PROMPT] or [max(full.bos_id, 0)]
+        full = open_reference(audit.path, n_ctx=N_CTX, max_sessions=2, threads=threads)
+        cap = full.capability
+        audit.cache = CacheFacts(
+            cap.cache_abi, cap.cache_bytes_per_token_estimate, cap.cache_fixed_bytes, cap.supports_truncate
+        )
+        ids = full.tokenize(PROMPT)[:n_prompt] or [max(full.bos_id, 0)]
         prompt = np.array(ids, dtype=np.int32)
-        logits = _greedy(_through([full], "audit"), prompt, N_DECODE)
+        logits = _greedy(_through([full], "audit"), prompt, n_decode)
         if not all(np.isfinite(x).all() for x in logits):
             audit.full_inference = Check(False, "the logits are not finite")
             return None
@@ -138,54 +196,161 @@ def check_full_inference(audit: ModelAudit, threads: int) -> tuple[np.ndarray, l
             full.close()
 
 
-def _split_point(n_layers: int) -> int:
-    return n_layers // 2
+def choose_splits(model: GGUFModel, kinds: list[str], ways: tuple[int, ...] = (2, 3)) -> dict[int, object]:
+    """Per number of shards: the even split when every range of it loads, else the work-balanced
+    split of loadable ranges, else the reason no split exists."""
+    n, out = model.n_layers, {}
+    for k in ways:
+        if k > n:
+            out[k] = f"a {n}-layer model has no {k}-way split"
+            continue
+        bounds = [round(i * n / k) for i in range(k + 1)]
+        even = list(zip(bounds[:-1], bounds[1:]))
+        if all(cut_problem(kinds, a, b) is None for a, b in even):
+            out[k] = even
+            continue
+        try:
+            out[k] = balanced_split(layer_work(model), k, allowed=lambda a, b: cut_problem(kinds, a, b) is None)
+        except ValueError:
+            problems = {cut_problem(kinds, a, b) for a, b in even} - {None}
+            out[k] = "; ".join(sorted(problems)) or f"no {k}-way split has only ranges that can be loaded"
+    return out
 
 
-def check_llama_cpp_boundary(audit: ModelAudit, reference, threads: int) -> Check:
+def _open_hops(path, ranges, tmp, threads):
+    hops = []
+    try:
+        for start, end in ranges:
+            hops.append(
+                open_range(
+                    "llama-cpp",
+                    path,
+                    start,
+                    end,
+                    cache_dir=tmp,
+                    n_ctx=N_CTX,
+                    max_sessions=2,
+                    threads=threads,
+                    benchmark=False,
+                )
+            )
+    except BaseException:
+        for h in hops:
+            h.close()
+        raise
+    return hops
+
+
+def run_split(audit: ModelAudit, ranges, reference, tmp: str, threads: int) -> tuple[SplitResult, list]:
+    """One split against the reference logits; returns the result and its (open) hops."""
+    prompt, expected = reference
+    hops = _open_hops(audit.path, ranges, tmp, threads)
+    got = _greedy(_through(hops, "audit"), prompt, len(expected) - 1)
+    diffs = [float(np.abs(a - b).max()) for a, b in zip(got, expected)]
+    exact = all(np.array_equal(a, b) for a, b in zip(got, expected))
+    n = f"{len(prompt)} prompt + {len(expected) - 1} decode positions"
+    result = SplitResult(list(ranges), exact, max(diffs), "")
+    if exact:
+        result.detail = f"{result.where}: logits bit-identical to the whole model over {n}"
+    else:
+        result.detail = f"{result.where}: logits differ from the whole model (max |diff| {max(diffs):.3g} over {n})"
+    return result, hops
+
+
+def check_snapshot(hops, reference) -> Check:
+    """Export every hop's state of session "audit" mid-way, import it as a new session, go on;
+    then truncate "audit" back to the same position and replay: both must give the same logits."""
+    prompt, expected = reference
+    tokens = [int(x.argmax()) for x in expected[:-1]]
+    n_decode = len(expected) - 1
+    if n_decode < 2:
+        return Check(False, "not checked: needs 2 decode steps")
+    k = n_decode // 2  # snapshot after the prompt and k decode steps
+    position = len(prompt) + k
+    for h in hops:
+        h.close_session("audit")
+    first = _through(hops, "audit")
+    first(0, prompt)
+    for j in range(k):
+        first(len(prompt) + j, np.array([tokens[j]], dtype=np.int32))
+    blobs = [h.export_state("audit") for h in hops]
+    for h, blob in zip(hops, blobs):
+        h.import_state("restored", N_CTX, position, blob)
+    restored = _through(hops, "restored", open_session=False)
+    for j in range(k, n_decode):
+        out = restored(len(prompt) + j, np.array([tokens[j]], dtype=np.int32))
+        if not np.array_equal(out, expected[j + 1]):
+            diff = float(np.abs(out - expected[j + 1]).max())
+            return Check(False, f"a restored snapshot of position {position} diverges (max |diff| {diff:.3g})")
+    size = sum(len(b) for b in blobs)
+    detail = f"a snapshot at position {position} ({size} bytes, {len(hops)} hop(s)) restores to the same logits"
+    if not all(h.capability.supports_truncate for h in hops):
+        return Check(
+            True, detail + f"; {TRUNCATION_UNSUPPORTED}: llama.cpp cannot cut its state back, so repair refuses routes"
+        )
+    for j in range(k, n_decode):  # run "audit" on, then back to the snapshot's position and replay
+        first(len(prompt) + j, np.array([tokens[j]], dtype=np.int32))
+    for h in hops:
+        h.truncate("audit", position)
+    for j in range(k, n_decode):
+        out = first(len(prompt) + j, np.array([tokens[j]], dtype=np.int32))
+        if not np.array_equal(out, expected[j + 1]):
+            diff = float(np.abs(out - expected[j + 1]).max())
+            return Check(
+                True, detail + f"; but truncating back to {position} and replaying diverges (max |diff| {diff:.3g})"
+            )
+    return Check(True, detail + "; truncating back to it and replaying does too")
+
+
+def check_llama_cpp(audit: ModelAudit, model: GGUFModel, reference, threads: int) -> Check:
     if reference is None:
+        audit.snapshot = Check(False, "not checked: local full inference fails")
         return Check(False, "not checked: local full inference fails")
     if audit.n_layers < 2:
         return Check(False, "a one-layer model has no layer boundary")
-    prompt, expected = reference
-    split = _split_point(audit.n_layers)
-    hops = []
+    plans = choose_splits(model, audit.layer_kinds)
+    reasons: dict[str, list[str]] = {}
+    for k, plan in plans.items():
+        if isinstance(plan, str):
+            reasons.setdefault(plan, []).append(f"{k}-way")
+    refused = [f"{' or '.join(ways)} split: {why}" for why, ways in reasons.items()]
     with tempfile.TemporaryDirectory(prefix="neuron-bus-audit-") as tmp:
+        snapshot_hops = None
         try:
-            for start, end in ((0, split), (split, audit.n_layers)):
-                hops.append(
-                    open_range(
-                        "llama-cpp",
-                        audit.path,
-                        start,
-                        end,
-                        cache_dir=tmp,
-                        n_ctx=N_CTX,
-                        max_sessions=1,
-                        threads=threads,
-                        benchmark=False,
-                    )
-                )
-            got = _greedy(_through(hops, "audit"), prompt, N_DECODE)
-        except Exception as exc:
-            return Check(False, _reason(exc))
+            for plan in plans.values():
+                if isinstance(plan, str):
+                    continue
+                try:
+                    result, hops = run_split(audit, plan, reference, tmp, threads)
+                except Exception as exc:
+                    audit.splits.append(SplitResult(list(plan), False, None, _reason(exc)))
+                    continue
+                audit.splits.append(result)
+                if snapshot_hops is None:
+                    snapshot_hops = hops
+                else:
+                    for h in hops:
+                        h.close()
+            if snapshot_hops is None:  # no split ran: the whole model's own snapshot
+                snapshot_hops = _open_hops(audit.path, [(0, audit.n_layers)], tmp, threads)
+                _greedy(_through(snapshot_hops, "audit"), reference[0], 0)
+            try:
+                audit.snapshot = check_snapshot(snapshot_hops, reference)
+            except Exception as exc:
+                audit.snapshot = Check(False, _reason(exc))
         finally:
-            for h in hops:
+            for h in snapshot_hops or []:
                 h.close()
-    where = f"split {0}-{split - 1} | {split}-{audit.n_layers - 1}"
-    diffs = [float(np.abs(a - b).max()) for a, b in zip(got, expected)]
-    if all(np.array_equal(a, b) for a, b in zip(got, expected)):
-        return Check(
-            True,
-            f"{where}: logits bit-identical to the whole model over {len(prompt)} prompt + {N_DECODE} decode positions",
-        )
-    return Check(False, f"{where}: logits differ from the whole model (max |diff| {max(diffs):.3g})")
+    if not audit.splits:
+        return Check(False, "; ".join(refused))
+    details = [s.detail for s in audit.splits] + [f"no {r}" for r in refused]
+    return Check(all(s.bit_exact for s in audit.splits) and not refused, "; ".join(details))
 
 
 def check_torch_boundary(audit: ModelAudit, reference, threads: int) -> Check:
     if audit.n_layers < 2:
         return Check(False, "a one-layer model has no layer boundary")
-    split, n = _split_point(audit.n_layers), audit.n_layers
+    split, n = audit.n_layers // 2, audit.n_layers
     backends = []
     try:
         whole = open_range("torch", audit.path, 0, n, threads=threads, benchmark=False)
@@ -211,15 +376,21 @@ def check_torch_boundary(audit: ModelAudit, reference, threads: int) -> Check:
     return Check(True, detail)
 
 
-def audit_model(path: str | Path, backends: tuple[str, ...] = BACKENDS, threads: int = 1) -> ModelAudit:
+def audit_model(
+    path: str | Path,
+    backends: tuple[str, ...] = BACKENDS,
+    threads: int = 1,
+    n_prompt: int = N_PROMPT,
+    n_decode: int = N_DECODE,
+) -> ModelAudit:
     audit = ModelAudit(path=str(path))
-    check_artifact(audit)
-    if not audit.artifact.ok:
+    model = check_artifact(audit)
+    if model is None:
         return audit
-    reference = check_full_inference(audit, threads)
+    reference = check_full_inference(audit, threads, n_prompt, n_decode)
     for kind in backends:
         if kind == "llama-cpp":
-            audit.layer_boundary[kind] = check_llama_cpp_boundary(audit, reference, threads)
+            audit.layer_boundary[kind] = check_llama_cpp(audit, model, reference, threads)
         elif kind == "torch":
             audit.layer_boundary[kind] = check_torch_boundary(audit, reference, threads)
     return audit

@@ -4,8 +4,11 @@ Orchestrated by the client (it knows the prompt and every token already emitted)
 
 1. The tracker's coverage map names a live replacement with the dead hop's exact layer range,
    model revision, backend and cache ABI (anything else is never used).
-2. Every surviving hop reports its position for the session; a hop that lost it (restarted)
-   ends the repair.
+2. Every surviving hop must be able to go back to the snapshot's position: a hop whose cache
+   holds recurrent state (its capability report says ``supports_truncate`` false: llama.cpp keeps
+   only a sequence's newest recurrent state) ends the repair before any snapshot is used. Every
+   surviving hop reports its position for the session; a hop that lost it (restarted) ends the
+   repair.
 3. The repaired route is the old one under a new route id with the replacement in the dead hop's
    place (stray messages of the old route are rejected as wrong_route; its subjects are purged).
 4. The replacement imports the newest compatible snapshot at or before the lowest surviving
@@ -79,6 +82,36 @@ def pick_replacement(
     return min(candidates, key=lambda n: (n.slow, n.sessions_active + n.recently_assigned, n.node_id))
 
 
+def rollback_problem(reports: dict[str, M.CapabilityReport], route: M.RouteAssignment, dead_index: int) -> str | None:
+    """Why the hops surviving ``route.hops[dead_index]`` cannot go back to a snapshot's position,
+    or None when they can. ``reports`` are the nodes' capability reports by node id (a node
+    without one is assumed to truncate, as every backend did before reports said so)."""
+    for i, h in enumerate(route.hops):
+        report = reports.get(h.node_id)
+        if i != dead_index and report is not None and not report.supports_truncate:
+            return (
+                f"surviving hop {h.node_id} (layers {h.layer_start}-{h.layer_end - 1}, {report.model_arch}) keeps "
+                "recurrent state that cannot be truncated back to a snapshot's position: the session cannot be repaired"
+            )
+    return None
+
+
+async def capability_reports(js, node_ids: list[str]) -> dict[str, M.CapabilityReport]:
+    """The capability reports of ``node_ids`` from the ``neuron-nodes`` KV bucket (missing ones left out)."""
+    out: dict[str, M.CapabilityReport] = {}
+    try:
+        kv = await js.key_value(S.KV_NODES)
+    except Exception:
+        return out
+    for node_id in node_ids:
+        try:
+            entry = await kv.get(node_id)
+            out[node_id] = M.decode(entry.value, M.CapabilityReport)
+        except Exception:  # no report (or an unreadable one): nothing known about this node
+            continue
+    return out
+
+
 async def repair(
     client,
     route: M.RouteAssignment,
@@ -96,18 +129,7 @@ async def repair(
     index = next((i for i, h in enumerate(route.hops) if h.node_id == dead), None)
     if index is None:
         raise fail("repair_failed", f"node {dead} is not on route {route.route_id}")
-    try:
-        report = await client.coverage(route.model_preset, timeout=10)
-    except NeuronBusError as exc:
-        raise fail("no_tracker", f"no coverage map for a replacement of {dead}: {exc}") from None
-    node = pick_replacement(report, route, route.hops[index], exclude | {dead})
-    if node is None:
-        h = route.hops[index]
-        raise fail(
-            "no_replacement",
-            f"no live node with layers [{h.layer_start}, {h.layer_end}), revision {route.model_revision}, "
-            f"backend {h.backend_id} and cache ABI {h.cache_abi} can replace {dead}",
-        )
+    node = await replacement(client, route, index, exclude)
     replay_end = session.prompt_tokens + len(generated)
     limit = min([*await surviving_positions(client, route, index, session.session_id), replay_end - 1])
     new = repaired_route(route, index, node, attempt)
@@ -139,6 +161,29 @@ async def repair(
             raise result
     await purge(client.js, route)
     return new, restored.position, node
+
+
+async def replacement(client, route: M.RouteAssignment, index: int, exclude: set[str]) -> M.TrackedNode:
+    """The node to take over hop ``index`` of ``route`` (whose node died), or RouteError saying why none can."""
+    dead, h = route.hops[index].node_id, route.hops[index]
+    reports = await capability_reports(client.js, [x.node_id for x in route.hops if x.node_id != dead])
+    problem = rollback_problem(reports, route, index)
+    if problem:
+        raise RouteError("no_rollback", problem, "decode", dead)
+    try:
+        report = await client.coverage(route.model_preset, timeout=10)
+    except NeuronBusError as exc:
+        raise RouteError("no_tracker", f"no coverage map for a replacement of {dead}: {exc}", "decode", dead) from None
+    node = pick_replacement(report, route, h, exclude | {dead})
+    if node is None:
+        raise RouteError(
+            "no_replacement",
+            f"no live node with layers [{h.layer_start}, {h.layer_end}), revision {route.model_revision}, "
+            f"backend {h.backend_id} and cache ABI {h.cache_abi} can replace {dead}",
+            "decode",
+            dead,
+        )
+    return node
 
 
 async def surviving_positions(client, route: M.RouteAssignment, dead_index: int, session_id: str) -> list[int]:

@@ -12,6 +12,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from neuron_bus.artifacts.synthetic import spm_vocab as _vocab  # one vocabulary for every synthetic model
+
 
 @dataclass(frozen=True)
 class TinyLlama:
@@ -30,17 +32,6 @@ class TinyLlama:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.n_heads
-
-
-def _vocab() -> tuple[list[str], list[float], list[int]]:
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [
-        "\u2581" + chr(c) for c in range(ord("a"), ord("z") + 1)
-    ]
-    tokens += letters
-    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(letters))]
-    types = [2, 3, 3] + [6] * 256 + [1] * len(letters)  # UNKNOWN, CONTROL, BYTE, NORMAL
-    return tokens, scores, types
 
 
 def write_tiny_llama(path: Path | str, cfg: TinyLlama = TinyLlama()) -> Path:

@@ -152,9 +152,10 @@ def test_smollm2_split_2_and_3_ways_in_processes_is_bit_identical(smollm2_path, 
         smollm2_path, [[(0, 15), (15, 30)], [(0, 10), (10, 20), (20, 30)]], tmp_path
     )
     assert ranges == [[(0, 15), (15, 30)], [(0, 10), (10, 20), (20, 30)]]
-    # Each process holds only its own layers' KV: 15 of 30 layers is half, 10 of 30 a third.
-    assert bytes_split[0] == [bytes_full // 2, bytes_full // 2]
-    assert bytes_split[1] == [bytes_full // 3] * 3
+    # Each process holds only its own layers' KV: 15 of 30 layers is half, 10 of 30 a third (each
+    # hop also keeps its own cell bookkeeping: llama.cpp's 12 bytes per position, a state header).
+    for parts, k in zip(bytes_split, (2, 3)):
+        assert all(abs(p - bytes_full / k) <= N_CTX * 12 + 1024 for p in parts), (parts, bytes_full)
     # llama.cpp's own count of the sequence state (72 positions) agrees: the parts sum to the
     # whole, up to a per-state header (cell positions and sequence ids, under 1 KiB).
     for parts in states:
@@ -210,7 +211,7 @@ def test_gemma3_split_in_processes_is_bit_identical(gemma3_path, tmp_path):
     bytes_full, bytes_split, _, _, _ = _agree_across_processes(
         gemma3_path, [[(0, 9), (9, 18)], [(0, 5), (5, 11), (11, 18)]], tmp_path, n_prompt=40, n_decode=16
     )
-    assert bytes_split[0] == [bytes_full // 2, bytes_full // 2]
+    assert all(abs(p - bytes_full / 2) <= N_CTX * 12 + 1024 for p in bytes_split[0]), (bytes_split, bytes_full)
 
 
 def test_gemma3_full_model_generates(gemma3_path):
@@ -425,9 +426,11 @@ def test_capability_and_cache_abi(tiny_gguf, tmp_path):
     assert cap.supports_layer_range and cap.supports_partial_artifacts
     assert cap.prefill_tokens_per_second > 0 and cap.decode_tokens_per_second > 0  # self-benchmark
     assert cap.cache_abi.startswith("llama.cpp-0.3.36-fa1-f16kv")
-    # K and V, f16, for this file's 2 layers: 2 kv heads x 16 dims x 2 (K, V) x 2 bytes per layer.
-    assert cap.cache_bytes_per_token_estimate == 2 * (2 * 16 * 2 * 2)
-    assert b.open_session("s", 100) == N_CTX * cap.cache_bytes_per_token_estimate
+    # K and V, f16, for this file's 2 layers: 2 kv heads x 16 dims x 2 (K, V) x 2 bytes per layer,
+    # plus llama.cpp's own bookkeeping of each cell (position, sequences): 12 bytes.
+    assert cap.cache_bytes_per_token_estimate == 2 * (2 * 16 * 2 * 2) + 12
+    assert cap.supports_truncate and 0 < cap.cache_fixed_bytes < 1024  # a KV cache: only the state header
+    assert b.open_session("s", 100) == N_CTX * cap.cache_bytes_per_token_estimate + cap.cache_fixed_bytes
     assert cap.active_memory_floor > 2 * N_CTX * cap.cache_bytes_per_token_estimate
     assert (b.layer_start, b.layer_end, b.n_layers) == (1, 3, 4) and not b.is_head and not b.is_tail
     b.close()

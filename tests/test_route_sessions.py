@@ -205,9 +205,10 @@ def test_sessions_report_cache_bytes_and_close_frees_them(swarm):
         report = sessions_json(swarm.url, hop.node_id)
         mine = [s for s in report["sessions"] if s["session_id"] == sid]
         assert mine and mine[0]["cache_bytes"] == ack.cache_bytes > 0
-    # each hop holds KV for its own layers only: the same bytes per layer on both hops
-    per_layer = {o.cache_bytes // (h.layer_end - h.layer_start) for h, o in zip(route.hops, opened)}
-    assert len(per_layer) == 1 and sum(o.cache_bytes for o in opened) == per_layer.pop() * 30
+    # each hop holds KV for its own layers only: the same bytes per layer on both hops, up to the
+    # cells' bookkeeping every hop keeps once (llama.cpp: 12 bytes per position) and a state header
+    per_layer = [o.cache_bytes / (h.layer_end - h.layer_start) for h, o in zip(route.hops, opened)]
+    assert abs(per_layer[0] - per_layer[1]) < 0.002 * per_layer[0], per_layer
     closed = run(close_session(route, sid))
     assert [c.freed_bytes for c in closed] == [o.cache_bytes for o in opened]
     for hop in route.hops:

@@ -29,8 +29,21 @@ from workers.errors import BackendError, BadInput, UnsupportedModel
 
 _LIB_DIR = pathlib.Path(L.__file__).resolve().parent / "lib"
 
-# Node name of the residual stream after layer `il` in llama.cpp's graphs (pinned by a test).
+# Node name of the residual stream after layer `il` in llama.cpp's graphs (pinned by a test), and
+# the architectures whose graphs name it otherwise. Nemotron-H calls its residual
+# ``nemotron_h_block_out`` and uses ``l_out`` for the FFN output *before* the residual add: a tap
+# on ``l_out`` there runs without error and hands the next hop the wrong tensor.
 LAYER_OUTPUT_NODE = "l_out-{il}"
+LAYER_OUTPUT_NODES = {
+    "nemotron_h": "nemotron_h_block_out-{il}",
+    "nemotron_h_moe": "nemotron_h_block_out-{il}",
+}
+
+
+def layer_output_node(arch: str, il: int) -> str:
+    """The graph node holding the residual stream after layer ``il`` of an ``arch`` model."""
+    return LAYER_OUTPUT_NODES.get(arch, LAYER_OUTPUT_NODE).format(il=il)
+
 
 _KV_TYPES = {"f16": L.GGML_TYPE_F16, "f32": L.GGML_TYPE_F32, "q8_0": L.GGML_TYPE_Q8_0}
 _KV_TYPE_BYTES = {"f16": 2.0, "f32": 4.0, "q8_0": 34 / 32}
@@ -74,6 +87,7 @@ class _Ggml:
 _ggml: _Ggml | None = None
 _init_lock = threading.Lock()
 _log_cb = None
+_errors: list[str] = []  # llama.cpp's error log, kept so a failure can say what llama.cpp said
 
 
 def ggml() -> _Ggml:
@@ -95,7 +109,10 @@ def quiet_logs() -> None:
         if level == 4 and text:
             import sys
 
-            sys.stderr.write(text.decode("utf-8", "replace"))
+            line = text.decode("utf-8", "replace")
+            sys.stderr.write(line)
+            _errors.append(line)
+            del _errors[:-64]
 
     _log_cb = _cb
     L.llama_log_set(_log_cb, ctypes.c_void_p())
@@ -125,14 +142,15 @@ class ContextConfig:
 
 
 class LayerOutputTap:
-    """Eval callback: copy node ``l_out-<n_layer-1>`` (every ubatch) and stop the graph there.
+    """Eval callback: copy the last layer's residual output (node ``l_out-<n_layer-1>`` in most
+    architectures, see ``layer_output_node``) every ubatch, and stop the graph there.
 
     llama_decode may split a batch into several ubatches; each one runs the graph once, so the
     rows are collected in call order and concatenated by ``take``.
     """
 
-    def __init__(self, n_layer: int, n_embd: int):
-        self.node = LAYER_OUTPUT_NODE.format(il=n_layer - 1).encode()
+    def __init__(self, n_layer: int, n_embd: int, arch: str = "llama"):
+        self.node = layer_output_node(arch, n_layer - 1).encode()
         self.n_embd = n_embd
         self.armed = False  # only decodes of a non-tail hop read the boundary
         self._chunks: list[np.ndarray | None] = []  # None: a node of the wrong shape (take() says so)
@@ -186,12 +204,19 @@ class Rows:
 
 
 class Batch:
-    """A llama_batch of token rows (n_embd == 0) or hidden-state rows, freed on close."""
+    """A llama_batch of token rows (n_embd == 0) or hidden-state rows, freed on close.
 
-    def __init__(self, capacity: int, n_embd: int):
+    Models with multi-section RoPE (M-RoPE, interleaved M-RoPE: Qwen3.5, Qwen3-VL) read
+    ``pos_streams`` positions per hidden-state row, stream after stream (``pos[j * n + i]``; token
+    rows are broadcast by llama.cpp itself): text has the same position in every stream.
+    """
+
+    def __init__(self, capacity: int, n_embd: int, pos_streams: int = 1):
         self.capacity = capacity
         self.n_embd = n_embd
-        self.raw = L.llama_batch_init(capacity, n_embd, 1)
+        self.pos_streams = pos_streams if n_embd else 1
+        # llama_batch_init sizes pos by its first argument: room for every stream
+        self.raw = L.llama_batch_init(capacity * self.pos_streams, n_embd, 1)
 
     def fill(self, parts: list[Rows], outputs: str) -> list[int]:
         """Write the rows; ``outputs`` is "all" or "last" (last row of each part).
@@ -219,6 +244,9 @@ class Batch:
             i += n
             last_rows.append(i - 1)
         b.n_tokens = i
+        for j in range(1, self.pos_streams):
+            for k in range(i):
+                b.pos[j * i + k] = b.pos[k]
         return last_rows
 
     def close(self) -> None:
@@ -228,6 +256,12 @@ class Batch:
 
 
 # -- model + context ----------------------------------------------------------------------------
+
+
+def _errors_since(mark: int) -> str:
+    """What llama.cpp logged as errors since ``len(_errors)`` was ``mark`` (one line)."""
+    said = " ".join("".join(_errors[mark:]).split())
+    return f": {said}" if said else ""
 
 
 def _meta_str(model, key: str) -> str | None:
@@ -244,11 +278,12 @@ def _meta_str(model, key: str) -> str | None:
 def read_metadata(path: str | pathlib.Path, keys: list[str]) -> dict[str, str | None]:
     """Scalar metadata of a GGUF as llama.cpp reads it (vocab-only load: no weights, fast)."""
     quiet_logs()
+    mark = len(_errors)
     mparams = L.llama_model_default_params()
     mparams.vocab_only = True
     model = L.llama_model_load_from_file(str(path).encode(), mparams)
     if not model:
-        raise UnsupportedModel(f"llama.cpp cannot read {path}")
+        raise UnsupportedModel(f"llama.cpp cannot read {path}{_errors_since(mark)}")
     try:
         return {k: _meta_str(model, k) for k in keys}
     finally:
@@ -274,13 +309,14 @@ class LlamaCppModel:
         tap_output: bool,
     ):
         quiet_logs()
+        mark = len(_errors)
         self.path = pathlib.Path(path)
         self.config = config
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = 0
         self.model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
-            raise UnsupportedModel(f"llama.cpp cannot load {self.path}")
+            raise UnsupportedModel(f"llama.cpp cannot load {self.path}{_errors_since(mark)}")
         self.vocab = L.llama_model_get_vocab(self.model)
         self.arch = _meta_str(self.model, "general.architecture") or "unknown"
         self.n_layer = L.llama_model_n_layer(self.model)
@@ -288,9 +324,12 @@ class LlamaCppModel:
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_head_kv = L.llama_model_n_head_kv(self.model)
         self.n_swa = L.llama_model_n_swa(self.model)
+        # hidden-state rows carry one position per RoPE section stream (llama_hparams::n_pos_per_embd)
+        multi = (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE)
+        self.pos_streams = 4 if L.llama_model_rope_type(self.model) in multi else 1
         self.n_slots = n_slots
         self.n_batch = n_batch
-        self.tap = LayerOutputTap(self.n_layer, self.n_embd) if tap_output else None
+        self.tap = LayerOutputTap(self.n_layer, self.n_embd, self.arch) if tap_output else None
 
         cparams = L.llama_context_default_params()
         cparams.n_ctx = n_ctx_slot * n_slots
@@ -306,14 +345,14 @@ class LlamaCppModel:
         cparams.type_k = _KV_TYPES[config.kv_type]
         cparams.type_v = _KV_TYPES[config.kv_type]
         cparams.no_perf = True
-        cparams.swa_full = True  # sliding-window layers keep every cell: kv_bytes_per_slot stays exact
+        cparams.swa_full = True  # sliding-window layers keep a full-size cache: a slot's size is n_ctx cells
         if self.tap is not None:
             cparams.cb_eval = self.tap.callback
             cparams.cb_eval_user_data = None
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)
-            raise LlamaCppError(f"llama.cpp could not create a context for {self.path}")
+            raise LlamaCppError(f"llama.cpp could not create a context for {self.path}{_errors_since(mark)}")
         self.n_ctx_slot = L.llama_n_ctx_seq(self.ctx)
         self.memory = L.llama_get_memory(self.ctx)
         self._batches: dict[bool, Batch] = {}
@@ -321,25 +360,40 @@ class LlamaCppModel:
 
     # -- sizes -----------------------------------------------------------------------------
 
-    def kv_bytes_per_slot(self) -> int:
-        """Bytes of K and V this slice holds for one slot (layers of this file only).
+    def measure_state(self, seq: int, takes_tokens: bool, rng: np.random.Generator) -> tuple[int, int, bool]:
+        """(bytes per position, fixed bytes, truncatable) of a sequence's state, as llama.cpp counts it.
 
-        Computed the way llama.cpp sizes its cache: every layer keeps ``n_ctx_slot`` cells of
-        n_embd_k_gqa + n_embd_v_gqa values; sliding-window layers keep a window-sized cache.
+        The state of 2 and then 4 positions on the free sequence ``seq`` is exported: what grows
+        per position is the cache's share (K/V rows, MLA latents, indexer keys, plus each cell's
+        position bookkeeping), what does not is recurrent (or compressor) state. Then the sequence
+        is cut back to 2 positions: llama.cpp refuses when its state cannot go back. Every
+        architecture's cache layout is llama.cpp's business; this asks it rather than re-deriving it.
         """
-        head_k = _meta_int(self, "attention.key_length") or self.n_embd // max(1, L.llama_model_n_head(self.model))
-        head_v = _meta_int(self, "attention.value_length") or head_k
-        per_cell = self.n_head_kv * (head_k + head_v) * _KV_TYPE_BYTES[self.config.kv_type]
-        return int(round(self.n_ctx_slot * self.n_layer * per_cell))
+        want = "hidden" if self.tap is not None else "logits"
 
-    def kv_bytes_per_token(self) -> int:
-        return self.kv_bytes_per_slot() // max(1, self.n_ctx_slot)
+        def rows(position: int) -> Rows:
+            if takes_tokens:
+                x = rng.integers(3, self.n_vocab, size=2, dtype=np.int32)
+            else:
+                x = (0.1 * rng.standard_normal((2, self.n_embd))).astype(np.float32)
+            return Rows(seq, position, x)
+
+        try:
+            self.decode([rows(0)], want)
+            two = len(self.seq_state(seq))
+            self.decode([rows(2)], want)
+            four = len(self.seq_state(seq))
+            truncatable = self.forget_from(seq, 2)
+        finally:
+            self.clear(seq)
+        per_position = (four - two) // 2
+        return per_position, max(0, two - 2 * per_position), truncatable
 
     # -- decode ----------------------------------------------------------------------------
 
     def _batch(self, embd: bool) -> Batch:
         if embd not in self._batches:
-            self._batches[embd] = Batch(self.n_batch, self.n_embd if embd else 0)
+            self._batches[embd] = Batch(self.n_batch, self.n_embd if embd else 0, self.pos_streams)
         return self._batches[embd]
 
     def decode(self, parts: list[Rows], want: str) -> list[np.ndarray]:
@@ -380,10 +434,11 @@ class LlamaCppModel:
     def clear(self, seq_id: int) -> None:
         self.forget_from(seq_id, 0)
 
-    def forget_from(self, seq_id: int, position: int) -> None:
-        """Drop the sequence's cells at positions >= ``position``."""
+    def forget_from(self, seq_id: int, position: int) -> bool:
+        """Drop the sequence's cells at positions >= ``position``; False when llama.cpp cannot
+        (a recurrent state holds only the newest position: it can be dropped whole, not cut back)."""
         with self.lock:
-            L.llama_memory_seq_rm(self.memory, seq_id, position, -1)
+            return bool(L.llama_memory_seq_rm(self.memory, seq_id, position, -1))
 
     def seq_state(self, seq_id: int) -> bytes:
         with self.lock:
@@ -417,8 +472,3 @@ class LlamaCppModel:
         if self.model:
             L.llama_model_free(self.model)
             self.model = None
-
-
-def _meta_int(m: LlamaCppModel, suffix: str) -> int | None:
-    v = m.meta(f"{m.arch}.{suffix}")
-    return int(v) if v is not None and v.strip().lstrip("-").isdigit() else None

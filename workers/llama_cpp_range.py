@@ -88,6 +88,10 @@ class LlamaCppRangeBackend(Backend):
         )
         self._seq: dict[str, int] = {}  # session -> llama.cpp sequence id
         self._free = list(range(max_sessions))
+        rng = np.random.default_rng(0)
+        self.state_bytes_per_token, self.state_fixed_bytes, self.truncatable = self.model.measure_state(
+            0, self.is_head, rng
+        )
         self.prefill_tps = 0.0
         self.decode_tps = 0.0
         if benchmark:
@@ -96,8 +100,12 @@ class LlamaCppRangeBackend(Backend):
     # -- what this backend is ----------------------------------------------------------------
 
     @property
+    def slot_bytes(self) -> int:
+        """Cache and state one session slot holds for this file's layers at its full n_ctx."""
+        return self.model.n_ctx_slot * self.state_bytes_per_token + self.state_fixed_bytes
+
+    @property
     def capability(self) -> Capability:
-        kv = self.model.kv_bytes_per_slot()
         return Capability(
             model_arch=self.model.arch,
             supported_runtime="llama.cpp",
@@ -106,11 +114,13 @@ class LlamaCppRangeBackend(Backend):
             supports_layer_range=True,
             supports_partial_artifacts=True,
             cache_abi=self.cache_abi,
-            cache_bytes_per_token_estimate=self.model.kv_bytes_per_token(),
+            cache_bytes_per_token_estimate=self.state_bytes_per_token,
+            cache_fixed_bytes=self.state_fixed_bytes,
+            supports_truncate=self.truncatable,
             prefill_tokens_per_second=self.prefill_tps,
             decode_tokens_per_second=self.decode_tps,
             # weights (mmapped file) + the KV of every slot, allocated when the context is made
-            active_memory_floor=os.path.getsize(self.file) + kv * self.model.n_slots,
+            active_memory_floor=os.path.getsize(self.file) + self.slot_bytes * self.model.n_slots,
         )
 
     @property
@@ -154,8 +164,8 @@ class LlamaCppRangeBackend(Backend):
         return self._seq[session_id]
 
     def _cache_bytes(self, session_id: str) -> int:
-        # The slot's K and V for this file's layers, reserved for the session's lifetime.
-        return self.model.kv_bytes_per_slot()
+        # The slot's cache and state for this file's layers, reserved for the session's lifetime.
+        return self.slot_bytes
 
     @property
     def _want(self) -> str:
@@ -193,7 +203,13 @@ class LlamaCppRangeBackend(Backend):
         return result
 
     def _truncate(self, session_id: str, position: int) -> None:
-        self.model.forget_from(self._seq[session_id], position)
+        if position == self.session_position(session_id):
+            return  # nothing to drop
+        if not self.model.forget_from(self._seq[session_id], position):
+            raise UnsupportedModel(
+                f"{self.model.arch}: llama.cpp keeps only the newest recurrent state of a session and "
+                f"cannot take it back to position {position} (restore a snapshot of that position instead)"
+            )
 
     def _export(self, session_id: str) -> bytes:
         return self.model.seq_state(self._seq[session_id])

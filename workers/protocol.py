@@ -46,7 +46,9 @@ class Capability(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     supports_layer_range: bool
     supports_partial_artifacts: bool
     cache_abi: str
-    cache_bytes_per_token_estimate: int
+    cache_bytes_per_token_estimate: int  # what a session's cache (and its snapshot) grows by per position
+    cache_fixed_bytes: int = 0  # per-session state that does not grow with the context (recurrent layers)
+    supports_truncate: bool = True  # the cache can go back to an earlier position (repair's surviving hops)
     prefill_tokens_per_second: float = 0.0
     decode_tokens_per_second: float = 0.0
     active_memory_floor: int = 0

@@ -100,8 +100,12 @@ class GGUFModel:
                     )
                 )
         self.by_name = {t.name: t for t in self.tensors}
-        self.n_layers = int(self.field(f"{self.arch}.block_count"))
+        block_count = self.field(f"{self.arch}.block_count")
+        if block_count is None:
+            raise ArtifactError("corrupt", f"{self.paths[0]}: no {self.arch}.block_count in metadata")
+        self.n_layers = int(block_count)
         self._check_complete()
+        self._check_experts()
 
     @staticmethod
     def _open(path: Path) -> gguf.GGUFReader:
@@ -136,6 +140,32 @@ class GGUFModel:
         if missing:
             raise ArtifactError("corrupt", f"{self.paths[0]}: no tensors for layers {missing[:5]}...")
 
+    def _check_experts(self) -> None:
+        """The expert count the metadata states is the one every expert tensor holds (GGUF order:
+        experts are a router's last dimension, and an expert tensor's)."""
+        stated = self.field(f"{self.arch}.expert_count")
+        used = self.field(f"{self.arch}.expert_used_count")
+        for t in self.tensors:
+            suffix = t.name.split(".", 2)[2] if t.layer is not None else ""
+            if not (suffix.startswith("ffn_gate_inp.weight") or suffix.split(".")[0].endswith("_exps")):
+                continue
+            held = t.shape[-1]
+            if stated is None:
+                raise ArtifactError(
+                    "inconsistent",
+                    f"{self.paths[0]}: {t.name} holds {held} experts but {self.arch}.expert_count is missing",
+                )
+            if held != int(stated):
+                raise ArtifactError(
+                    "inconsistent",
+                    f"{self.paths[0]}: {self.arch}.expert_count is {int(stated)} but {t.name} holds {held} experts",
+                )
+        if stated is not None and used is not None and not 0 < int(used) <= int(stated):
+            raise ArtifactError(
+                "inconsistent",
+                f"{self.paths[0]}: {self.arch}.expert_used_count {int(used)} is not within 1..{int(stated)} experts",
+            )
+
     def field(self, key: str, default=None):
         f = self.meta.fields.get(key)
         if f is None:
@@ -164,7 +194,9 @@ def needed_shared(shared: list[str], n_layers: int, start: int, end: int) -> tup
     (its lm_head is token_embd). llama.cpp still loads token_embd in every other slice, but
     never reads it there (embeddings are injected), so it can be zeros: a placeholder costs
     no download. output_norm and output are needed by the tail; output_norm is loaded by
-    every slice and is tiny, so it is always real. Works from tensor names alone, so a
+    every slice and is tiny, so it is always real. A model with its own ``output`` gets it in
+    every slice, zeros before the tail: some architectures' loaders (gpt-oss) require it even
+    where the graph never reaches the head. Works from tensor names alone, so a
     manifest can be planned without the model file.
     """
     ties_embeddings = OUTPUT not in shared
@@ -174,8 +206,8 @@ def needed_shared(shared: list[str], n_layers: int, start: int, end: int) -> tup
         real.append(TOKEN_EMBD)
     else:
         placeholder.append(TOKEN_EMBD)
-    if is_tail and not ties_embeddings:
-        real.append(OUTPUT)
+    if not ties_embeddings:  # several architectures (gpt-oss, ...) insist on `output` in every slice
+        (real if is_tail else placeholder).append(OUTPUT)
     for name in shared:  # architecture extras (rope factors, ...)
         if name not in (TOKEN_EMBD, OUTPUT_NORM, OUTPUT):
             real.append(name)

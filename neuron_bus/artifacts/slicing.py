@@ -1,8 +1,9 @@
 """Layer-range slices: a loadable GGUF holding only blocks [start, end) of a model.
 
-Metadata is copied, ``<arch>.block_count`` becomes the range size, ``blk.{start..end-1}`` are
-renamed ``blk.{0..}``, tensor bytes are copied raw (no requantization), and the original range is
-recorded under ``neuron_bus.*``. The file is written to a temporary name and renamed into place,
+Metadata is copied, ``<arch>.block_count`` becomes the range size, per-layer arrays are cut and
+what llama.cpp derives from layer indices or leading/trailing counts is restated
+(cuts.slice_metadata), ``blk.{start..end-1}`` are renamed ``blk.{0..}``, tensor bytes are copied
+raw (no requantization), and the original range is recorded under ``neuron_bus.*``. The file is written to a temporary name and renamed into place,
 so a failed write leaves nothing half-written.
 """
 
@@ -16,34 +17,27 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from neuron_bus.artifacts.cuts import check_cut, layer_kinds, swa_pattern
+from neuron_bus.artifacts.cuts import check_cut, layer_kinds, slice_metadata
 from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFModel, Tensor, format_layers
 
 _SKIP_KEYS = ("GGUF.", "split.", META_PREFIX)
 
 
 def _copy_metadata(model: GGUFModel, writer: gguf.GGUFWriter, start: int, end: int) -> None:
-    block_key = f"{model.arch}.block_count"
+    """Every key of the model, with what the slice restates (cuts.slice_metadata) in its place."""
+    restated = slice_metadata(model, start, end)
     for name, field in model.meta.fields.items():
         if name.startswith(_SKIP_KEYS) or name == "general.architecture":
             continue
-        if name == block_key:
-            writer.add_uint32(block_key, end - start)
-            continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        value = field.contents()
-        # Per-layer arrays (some architectures store e.g. head counts per layer) are cut too.
-        if name.startswith(f"{model.arch}.") and sub not in (None, gguf.GGUFValueType.STRING):
-            if isinstance(value, list) and len(value) == model.n_layers:
-                value = value[start:end]
+        value = restated.pop(name, field.contents())
         writer.add_key_value(name, value, vtype, sub)
-    # llama.cpp derives some architectures' sliding-window layers from the layer index; a slice
-    # renumbers its layers, so it states its original layers' pattern (llama.cpp reads the array).
-    pattern_key = f"{model.arch}.attention.sliding_window_pattern"
-    implicit = swa_pattern(model.arch, end, start)
-    if implicit and model.field(f"{model.arch}.attention.sliding_window") and model.field(pattern_key) is None:
-        writer.add_array(pattern_key, implicit)
+    for name, value in restated.items():  # keys the whole model leaves to llama.cpp's derivations
+        if isinstance(value, list) and value and isinstance(value[0], bool):
+            writer.add_array(name, value)
+        else:
+            writer.add_key_value(name, value, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32)
 
 
 def slice_gguf(

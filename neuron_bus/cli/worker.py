@@ -44,6 +44,7 @@ def build_report(
     trust_tier: M.TrustTier,
     slow_ms: float = 0.0,
     layer_kinds: list[str] | None = None,
+    active_parameters: list[float] | None = None,
 ) -> M.CapabilityReport:
     cap = msgspec.structs.asdict(backend.capability)
     cap["prefill_tokens_per_second"] = slowed(cap["prefill_tokens_per_second"], 256, slow_ms)
@@ -61,8 +62,18 @@ def build_report(
         trust_tier=trust_tier,
         started_at=time.time(),
         layer_kinds=list(layer_kinds or []),
+        active_parameters_per_layer=[round(w, 6) for w in active_parameters or []],
         **cap,
     )
+
+
+def load(backend: str, src: Source, threads: int | None, opts: dict):
+    """The backend for ``src``, the tokenizer, and the work of each of its layers (artifacts/work.py)."""
+    be = open_range(backend, src.path, src.start, src.end, threads=threads, **opts)
+    tok = open_tokenizer(src.path)
+    owned = src.gguf or GGUFModel(src.path)  # a slice counts its own (renumbered) blocks
+    per_layer = [owned_layer_work(owned, i, i + 1, be.n_layers) for i in range(be.layer_start, be.layer_end)]
+    return be, tok, per_layer
 
 
 def trust_tiers(tier: str) -> M.TrustTier:
@@ -185,15 +196,13 @@ def worker(
     )
     try:
         src = asyncio.run(fetch_slice(nats, artifact, layers)) if artifact else local_source(model, layers)
-        be = open_range(backend, src.path, src.start, src.end, threads=threads, **opts)
-        tok = open_tokenizer(src.path)
-        work = owned_layer_work(src.gguf or src.path, be.layer_start, be.layer_end, be.n_layers)
+        be, tok, per_layer = load(backend, src, threads, opts)
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
-    report = build_report(node_id, be, src.preset, src.revision, src.artifact_id, tier, slow_ms, src.kinds)
+    report = build_report(node_id, be, src.preset, src.revision, src.artifact_id, tier, slow_ms, src.kinds, per_layer)
     options = WorkerOptions(
         idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms, snapshot_every=snapshot_every,
-        snapshot_url=snapshot_nats, owned_layer_work=work, fault=fault,
+        snapshot_url=snapshot_nats, owned_layer_work=sum(per_layer), fault=fault,
     )  # fmt: skip
     try:
         asyncio.run(serve(nats, be, tok, report, options, metrics_port))
