@@ -11,6 +11,7 @@ The backend modules, and llama.cpp or torch with them, are imported only when on
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from neuron_bus import models
 from neuron_bus.artifacts.gguf_model import GGUFModel, format_layers
@@ -18,6 +19,9 @@ from neuron_bus.artifacts.slicing import cached_slice, slice_info
 from workers.errors import BackendError, BadInput, UnsupportedModel
 from workers.protocol import DEFAULT_N_CTX, Backend
 from workers.registry import open_backend  # light: each backend module loads only when opened
+
+if TYPE_CHECKING:
+    from workers.llama_cpp_full import LlamaCppFullBackend
 
 __all__ = ["DEFAULT_N_CTX", "Backend", "BackendError", "open_range", "open_reference", "open_tokenizer"]
 
@@ -68,12 +72,12 @@ def open_range(
     return open_backend(kind, path, start, end, threads, n_layers=n_layers, **opts)
 
 
-def open_reference(path: str | Path, *, threads: int = 1, **opts) -> Backend:
+def open_reference(path: str | Path, *, threads: int = 1, **opts) -> LlamaCppFullBackend:
     """The whole model in one llama.cpp process: the reference that routes are compared with."""
 
     if slice_info(Path(path)) is not None:
         raise UnsupportedModel(f"{path} is a layer-range slice, not a whole model")
-    return open_backend("llama-cpp-full", path, threads=threads, **opts)
+    return cast("LlamaCppFullBackend", open_backend("llama-cpp-full", path, threads=threads, **opts))
 
 
 def open_tokenizer(path: str | Path):

@@ -83,10 +83,12 @@ class ModelAudit:
 
     @property
     def summary(self) -> str:
-        if not self.artifact.ok:
-            return f"artifact unreadable: {self.artifact.detail}"
+        if self.artifact is None or not self.artifact.ok:
+            return f"artifact unreadable: {self.artifact.detail if self.artifact else 'not checked'}"
         parts = ["artifact available"]
-        if self.full_inference.ok:
+        if self.full_inference is None:
+            parts.append("local full inference not checked")
+        elif self.full_inference.ok:
             parts.append("local full inference works")
         else:
             parts.append(f"local full inference fails: {self.full_inference.detail}")
@@ -196,10 +198,13 @@ def check_full_inference(
             full.close()
 
 
-def choose_splits(model: GGUFModel, kinds: list[str], ways: tuple[int, ...] = (2, 3)) -> dict[int, object]:
+def choose_splits(
+    model: GGUFModel, kinds: list[str], ways: tuple[int, ...] = (2, 3)
+) -> dict[int, list[tuple[int, int]] | str]:
     """Per number of shards: the even split when every range of it loads, else the work-balanced
     split of loadable ranges, else the reason no split exists."""
-    n, out = model.n_layers, {}
+    n = model.n_layers
+    out: dict[int, list[tuple[int, int]] | str] = {}
     for k in ways:
         if k > n:
             out[k] = f"a {n}-layer model has no {k}-way split"
@@ -212,7 +217,7 @@ def choose_splits(model: GGUFModel, kinds: list[str], ways: tuple[int, ...] = (2
         try:
             out[k] = balanced_split(layer_work(model), k, allowed=lambda a, b: cut_problem(kinds, a, b) is None)
         except ValueError:
-            problems = {cut_problem(kinds, a, b) for a, b in even} - {None}
+            problems = {p for a, b in even if (p := cut_problem(kinds, a, b))}
             out[k] = "; ".join(sorted(problems)) or f"no {k}-way split has only ranges that can be loaded"
     return out
 
@@ -306,7 +311,7 @@ def check_llama_cpp(audit: ModelAudit, model: GGUFModel, reference, threads: int
     if reference is None:
         audit.snapshot = Check(False, "not checked: local full inference fails")
         return Check(False, "not checked: local full inference fails")
-    if audit.n_layers < 2:
+    if (audit.n_layers or 0) < 2:
         return Check(False, "a one-layer model has no layer boundary")
     plans = choose_splits(model, audit.layer_kinds)
     reasons: dict[str, list[str]] = {}
@@ -348,9 +353,10 @@ def check_llama_cpp(audit: ModelAudit, model: GGUFModel, reference, threads: int
 
 
 def check_torch_boundary(audit: ModelAudit, reference, threads: int) -> Check:
-    if audit.n_layers < 2:
+    n = audit.n_layers or 0
+    if n < 2:
         return Check(False, "a one-layer model has no layer boundary")
-    split, n = audit.n_layers // 2, audit.n_layers
+    split = n // 2
     backends = []
     try:
         whole = open_range("torch", audit.path, 0, n, threads=threads, benchmark=False)

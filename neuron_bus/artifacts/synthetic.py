@@ -435,11 +435,13 @@ def _block(t: _Tensors, spec: ArchSpec, i: int) -> None:
         elif isinstance(spec.attention, CompressedAttention):
             _compressed_attention(t, p, spec.attention, h, i)
         else:
+            assert isinstance(spec.attention, Attention), f"{spec.arch}: block {i} attends, the spec has no attention"
             _attention(t, p, spec.attention, h)
     elif kind == RECURRENT:
         if isinstance(spec.recurrent, GatedDeltaNet):
             _gated_delta_net(t, p, spec.recurrent, h)
         else:
+            assert isinstance(spec.recurrent, Mamba2), f"{spec.arch}: block {i} is recurrent, the spec has no mixer"
             _mamba2(t, p, spec.recurrent, h)
     if spec.post_norms:
         t.norm(p + "post_attention_norm.weight", h)
@@ -447,6 +449,7 @@ def _block(t: _Tensors, spec: ArchSpec, i: int) -> None:
         if kind != FFN_ONLY:  # a feed-forward-only block normalizes with its attn_norm
             t.norm(f"{p}{spec.ffn_norm}.weight", h)
         if spec.is_moe(i):
+            assert spec.experts is not None
             _experts(t, p, spec.experts, h)
         else:
             _dense_ffn(t, p, h, spec.ffn, spec.gated_ffn)
@@ -540,6 +543,7 @@ def _attention_metadata(spec: ArchSpec) -> dict[str, object]:
     elif isinstance(a, CompressedAttention):
         meta.update(_compressed_metadata(a, spec.n_layers))
     if spec.per_layer_heads:  # which blocks attend, which have a feed-forward: per-layer arrays
+        assert isinstance(a, Attention)
         meta["attention.head_count_kv"] = [a.n_kv_heads if k == ATTENTION else 0 for k in kinds]
         meta["feed_forward_length"] = [spec.ffn if k == FFN_ONLY else 0 for k in kinds]
     return meta

@@ -53,9 +53,8 @@ def owned_layer_work(
     total = total if n_layers is None else n_layers
     used = int(m.field(f"{m.arch}.expert_used_count", 0) or 0)
     kinds = layer_kinds(m)
-    weights = sum(
-        tensor_work(t, used) for t in m.layer_tensors(layer_start - offset, layer_end - offset) if kinds[t.layer] != MTP
-    )
+    tensors = m.layer_tensors(layer_start - offset, layer_end - offset)
+    weights = sum(tensor_work(t, used) for t in tensors if t.layer is not None and kinds[t.layer] != MTP)
     if layer_end == total:
         weights += head_weights(m)
     return weights / 1e6

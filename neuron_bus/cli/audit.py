@@ -54,7 +54,8 @@ def model(
         typer.echo(json.dumps(audit.as_dict(), indent=2))
     else:
         typer.echo(f"{'model':<20}{audit.path}")
-        typer.echo(_line("artifact", audit.artifact))
+        if audit.artifact is not None:
+            typer.echo(_line("artifact", audit.artifact))
         if audit.full_inference is not None:
             typer.echo(_line("full inference", audit.full_inference))
         if audit.cache is not None:
@@ -73,7 +74,7 @@ def model(
         if audit.snapshot is not None:
             typer.echo(_line("snapshot", audit.snapshot))
         typer.echo(f"{'summary':<20}{audit.summary}")
-    if not audit.artifact.ok:
+    if audit.artifact is None or not audit.artifact.ok:
         raise typer.Exit(1)
 
 

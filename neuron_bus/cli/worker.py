@@ -67,7 +67,7 @@ def build_report(
     )
 
 
-def load(backend: str, src: Source, threads: int | None, opts: dict):
+def load(backend: str, src: Source, threads: int, opts: dict):
     """The backend for ``src``, the tokenizer, and the work of each of its layers (artifacts/work.py)."""
     be = open_range(backend, src.path, src.start, src.end, threads=threads, **opts)
     tok = open_tokenizer(src.path)
@@ -154,7 +154,7 @@ def worker(
     layers: str = typer.Option(..., help="Layer range to serve, inclusive: 0-14."),
     backend: str = typer.Option("llama-cpp", help="llama-cpp | torch"),
     nats: str = NatsOption,
-    threads: int = typer.Option(int(os.environ.get("NEURON_THREADS", "0")) or None, help="Compute threads."),
+    threads: int = typer.Option(int(os.environ.get("NEURON_THREADS", "0")) or 1, help="Compute threads."),
     metrics_port: int = typer.Option(None, help="Serve Prometheus metrics on this port."),
     node_id: str = typer.Option(None, help="Unique node id (default: host-pid-random)."),
     trust_tier: str = typer.Option("untrusted", help="untrusted | trusted | paid-trusted (operator-assigned)."),
