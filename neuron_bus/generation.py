@@ -35,6 +35,7 @@ STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route 
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
 MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
 RETRYABLE = {
+    "draining",  # the node moves to other layers (the tracker routes around it within a heartbeat)
     "node_lost",
     "node_unreachable",
     "prefill_failed",

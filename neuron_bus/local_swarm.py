@@ -35,7 +35,7 @@ def cli() -> list[str]:
 
 @dataclass
 class WorkerSpec:
-    layers: tuple[int, int]
+    layers: tuple[int, int] | None  # None: --layers auto (the tracker places it)
     node_id: str
     extra: list[str] = field(default_factory=list)
 
@@ -96,6 +96,8 @@ class LocalSwarm:
         cluster: int = 1,
         credentials: dict[str, str] | None = None,
         auditor_extra: list[str] | None = None,
+        auto_workers: int = 0,
+        trackers: int = 1,
     ):
         self.model_path = Path(model_path)
         self.preset = preset_for(self.model_path)
@@ -116,11 +118,17 @@ class LocalSwarm:
         self.prefill_window = prefill_window
         self.from_store = from_store  # publish the model to the shard swarm; workers fetch their range
         self.artifact_id: str | None = None
-        self.workers = [
-            WorkerSpec(r, f"worker-{i}", list((worker_extra or {}).get(i, [])))
-            for i, r in enumerate(worker_ranges(model, shards, ranges))
-        ]
+        extra = worker_extra or {}
+        if auto_workers:  # self-placing workers fetch their range from the shard swarm
+            self.from_store = True
+            self.workers = [WorkerSpec(None, f"worker-{i}", list(extra.get(i, []))) for i in range(auto_workers)]
+        else:
+            self.workers = [
+                WorkerSpec(r, f"worker-{i}", list(extra.get(i, [])))
+                for i, r in enumerate(worker_ranges(model, shards, ranges))
+            ]
         self.tracker_extra = tracker_extra or []
+        self.trackers = trackers
         self.auditor_extra = auditor_extra  # None: no auditor process
         self.gateway_port = gateway_port
         self.gateway_extra = gateway_extra or []
@@ -172,13 +180,17 @@ class LocalSwarm:
         return self._spawn(name, self.commands[name])
 
     def start_worker(self, spec: WorkerSpec) -> subprocess.Popen:
+        if spec.layers is None:
+            what = ["--model", self.preset, "--layers", "auto"]
+        elif self.artifact_id:
+            what = ["--artifact", self.artifact_id, "--layers", format_layers(*spec.layers)]
+        else:
+            what = ["--model", str(self.model_path), "--layers", format_layers(*spec.layers)]
         return self._spawn(
             spec.node_id,
             [
                 "worker",
-                *(["--artifact", self.artifact_id] if self.artifact_id else ["--model", str(self.model_path)]),
-                "--layers",
-                format_layers(*spec.layers),
+                *what,
                 "--backend",
                 self.backend,
                 "--nats",
@@ -215,13 +227,17 @@ class LocalSwarm:
         if self.from_store:
             step("publishing the model to the shard swarm")
             self.artifact_id = asyncio.run(self._publish())
-        step("tracker")
-        self._spawn("tracker", ["tracker", "--nats", self.process_url("tracker", "tracker"), *self.tracker_extra])
+        for i in range(self.trackers):
+            name = "tracker" if i == 0 else f"tracker-{i}"
+            step(name)
+            self._spawn(name, ["tracker", "--nats", self.process_url(name, "tracker"), *self.tracker_extra])
         if self.auditor_extra is not None:
             step("auditor")
             self._spawn("auditor", ["auditor", "--nats", self.process_url("auditor", "auditor"), *self.auditor_extra])
         for spec in self.workers:
-            step(f"worker {spec.node_id}: layers {format_layers(*spec.layers)}")
+            step(
+                f"worker {spec.node_id}: layers {format_layers(*spec.layers) if spec.layers else 'chosen by the tracker'}"
+            )
             self.start_worker(spec)
         step("waiting for a complete route")
         self.wait_ready(timeout)

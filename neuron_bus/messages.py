@@ -38,6 +38,51 @@ class Struct(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
 # Nodes
 
 
+class NodeFit(Struct):
+    """What a self-placing node can hold: at most ``max_layers`` layers, and within ``memory_budget``
+    bytes the weights of its layers plus ``kv_positions`` positions of their KV (all its slots)
+    and, for a tail, the output head (0: no budget)."""
+
+    max_layers: int
+    memory_budget: int = 0
+    kv_positions: int = 0
+
+
+class PlacementRequest(Struct):
+    """A joining node asks the tracker which layers to serve (``model_preset`` "any": of which model)."""
+
+    node_id: str
+    model_preset: str
+    fit: NodeFit
+    backend_id: str = "llama-cpp"
+    trust_tier: TrustTier = "untrusted"
+
+
+class PlacementDecision(Struct):
+    """A range given to a node (the reply to a PlacementRequest, or a move), and why; every decision
+    is also published on ``neuron.placement.decisions``."""
+
+    node_id: str
+    model_preset: str
+    artifact_id: str
+    layer_start: int
+    layer_end: int
+    reason: str
+    kind: Literal["join", "move"] = "join"
+    bottleneck_before: float = 0.0
+    bottleneck_after: float = 0.0
+    decided_at: float = 0.0
+    tracker_id: str = ""
+
+
+class PlacementRejection(Struct):
+    node_id: str
+    reasons: list[str]
+
+
+PlacementReply = PlacementDecision | PlacementRejection
+
+
 class CapabilityReport(BackendCapability, kw_only=True):
     """What a worker can do, announced at start and kept in the ``neuron-nodes`` KV bucket:
     its backend's capability plus the node, model and range it serves."""
@@ -55,6 +100,8 @@ class CapabilityReport(BackendCapability, kw_only=True):
     trust_tier: TrustTier = "untrusted"
     started_at: float = 0.0
     layer_kinds: list[str] = []  # every layer of the whole model (artifacts/cuts.py); [] unknown
+    placement: Literal["pinned", "auto"] = "pinned"  # auto: the tracker chose its range and may move it
+    fit: NodeFit | None = None  # auto: what it can hold, for the tracker's placement
     # millions of weights a token multiplies in each of this node's layers, [layer_start, layer_end):
     # a mixture-of-experts layer counts its active experts only; the tail's last entry includes the
     # output head (artifacts/work.py). [] unknown
@@ -291,8 +338,28 @@ class ControlError(Struct, tag_field="type", tag="error"):
     message: str
 
 
-ControlRequest = SessionOpen | SessionClose | SessionsQuery | Ping | TokenizeRequest | SessionResume
-ControlReply = SessionOpened | SessionClosed | SessionsReport | Pong | TokenizeReply | ControlError | SessionResumed
+class MoveRange(Struct, tag_field="op", tag="move"):
+    """The tracker asks a self-placed node to serve other layers (of its model, or of another one):
+    it stops taking sessions, lets its running ones finish, loads the new range and announces it."""
+
+    model_preset: str
+    artifact_id: str
+    layer_start: int
+    layer_end: int
+    reason: str = ""
+
+
+class MoveAccepted(Struct, tag_field="op", tag="moving"):
+    node_id: str
+    layer_start: int
+    layer_end: int
+    sessions_draining: int = 0
+
+
+ControlRequest = SessionOpen | SessionClose | SessionsQuery | Ping | TokenizeRequest | SessionResume | MoveRange
+ControlReply = (
+    SessionOpened | SessionClosed | SessionsReport | Pong | TokenizeReply | ControlError | SessionResumed | MoveAccepted
+)
 RouteReply = RouteAssignment | RouteRejection
 
 
@@ -652,6 +719,11 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     ArtifactManifest,
     CoverageRequest,
     CoverageReport,
+    PlacementRequest,
+    PlacementDecision,
+    PlacementRejection,
+    MoveRange,
+    MoveAccepted,
 )
 
 _encoder = msgspec.json.Encoder()

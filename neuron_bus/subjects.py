@@ -22,9 +22,12 @@ KV_ROUTES = "neuron-routes"  # route_id -> RouteAssignment
 OBJ_ARTIFACTS = "neuron-artifacts"  # manifests and pieces
 OBJ_SNAPSHOTS = "neuron-snapshots"  # KV cache snapshots (may live on a separate server)
 KV_FLAGS = "neuron-flags"  # node_id -> NodeTrust (audit record; flagged nodes are not routed)
+KV_PLACEMENTS = "neuron-placements"  # node_id -> PlacementDecision its node has not announced yet (expires)
 
 ROUTE_REQUEST = f"{ROOT}.route.request"  # request/reply to the tracker
 TRACKER_COVERAGE = f"{ROOT}.tracker.coverage"  # request/reply: CoverageRequest -> CoverageReport
+TRACKER_PLACE = f"{ROOT}.tracker.place"  # request/reply: PlacementRequest -> PlacementDecision | PlacementRejection
+PLACEMENT_DECISIONS = f"{ROOT}.placement.decisions"  # every PlacementDecision, for operators
 NODE_ANNOUNCE_ALL = f"{ROOT}.node.*.caps"
 NODE_HEARTBEAT_ALL = f"{ROOT}.node.*.heartbeat"
 VALIDATION_ALL = f"{ROOT}.validation.>"

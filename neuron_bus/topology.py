@@ -38,6 +38,7 @@ class Topology:
 
 
 DEFAULT_PREFILL_WINDOW = 4
+PENDING_PLACEMENT_S = 300.0  # a node given a range has this long to fetch, load and announce it
 
 
 def topology(replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) -> Topology:
@@ -142,6 +143,14 @@ def topology(replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) ->
             description="node_id -> NodeTrust (audit record; flagged nodes are excluded from routes)",
             history=1,
             ttl=None,
+            storage=StorageType.FILE,
+            replicas=r,
+        ),
+        KeyValueConfig(
+            bucket=S.KV_PLACEMENTS,
+            description="node_id -> PlacementDecision not yet announced by its node (tracker placement)",
+            history=1,
+            ttl=PENDING_PLACEMENT_S,
             storage=StorageType.FILE,
             replicas=r,
         ),

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
+from neuron_bus import models
 from neuron_bus.artifacts.gguf_model import ArtifactError, GGUFModel, format_layers, parse_layers
 from neuron_bus.cli.app import NatsOption, fail
 from neuron_bus.errors import NeuronBusError
@@ -214,7 +215,9 @@ def slice_cmd(
 
 @artifact_app.command()
 def publish(
-    files: list[Path] = typer.Argument(..., help="The model: one GGUF, or every file of a gguf-split set."),
+    files: list[str] = typer.Argument(
+        ..., help="The model: one GGUF or a preset (smollm2-135m), or every file of a gguf-split set."
+    ),
     manifest_path: Path = typer.Option(
         None, "--manifest", help="Publish with this manifest (files are checked against it)."
     ),
@@ -229,13 +232,14 @@ def publish(
     from neuron_bus.artifacts.swarm import publish as do_publish
 
     with _errors():
+        paths = [models.resolve(f) for f in files]
         if manifest_path is not None:
             m = load_manifest(manifest_path)
         else:
             with _progress("hashing") as update:
-                m = build_manifest(files, piece_size=piece_size, progress=update)
+                m = build_manifest(paths, piece_size=piece_size, progress=update)
         with _progress("publishing") as update:
-            res = _run_nats(nats_url, lambda js: do_publish(js, files, m, progress=update))
+            res = _run_nats(nats_url, lambda js: do_publish(js, paths, m, progress=update))
         if node_id:
             _run_nats(nats_url, lambda js: _record_seeding(js, node_id, res))
     typer.echo(

@@ -95,7 +95,8 @@ def start(swarm: LocalSwarm, console: Console) -> None:
         f"[green]swarm up[/green]: {swarm.preset}, {len(swarm.workers)} workers on {swarm.url}; logs in {swarm.workdir}"
     )
     for w in swarm.workers:
-        console.print(f"  {w.node_id}: layers {w.layers[0]}-{w.layers[1] - 1}")
+        if w.layers:
+            console.print(f"  {w.node_id}: layers {w.layers[0]}-{w.layers[1] - 1}")
     if swarm.gateway_url:
         console.print(
             f"gateway: {swarm.gateway_url}  (web page; OpenAI API at {swarm.gateway_url}/v1; /metrics, /healthz)"

@@ -9,7 +9,6 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import cast, get_args
 
 import msgspec
@@ -17,15 +16,15 @@ import typer
 
 from neuron_bus import messages as M
 from neuron_bus import models
-from neuron_bus.artifacts.cuts import check_cut, layer_kinds
-from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFModel, parse_layers
+from neuron_bus.artifacts.gguf_model import ArtifactError, GGUFModel
 from neuron_bus.artifacts.work import owned_layer_work
 from neuron_bus.cli.app import NatsOption, app, fail
 from neuron_bus.execution import DEFAULT_N_CTX, BackendError, open_range, open_tokenizer
 from neuron_bus.subjects import check_token
 from neuron_bus.topology import connect, ensure_topology
 from neuron_bus.trust import fault as faults
-from neuron_bus.worker.service import WorkerOptions
+from neuron_bus.worker.service import WorkerOptions, WorkerService
+from neuron_bus.worker.source import Source, auto_source, fetch_range, fetch_slice, local_source, parse_size
 
 
 def slowed(tokens_per_second: float, positions_per_call: int, slow_ms: float) -> float:
@@ -45,6 +44,7 @@ def build_report(
     slow_ms: float = 0.0,
     layer_kinds: list[str] | None = None,
     active_parameters: list[float] | None = None,
+    fit: M.NodeFit | None = None,
 ) -> M.CapabilityReport:
     cap = msgspec.structs.asdict(backend.capability)
     cap["prefill_tokens_per_second"] = slowed(cap["prefill_tokens_per_second"], 256, slow_ms)
@@ -63,6 +63,8 @@ def build_report(
         started_at=time.time(),
         layer_kinds=list(layer_kinds or []),
         active_parameters_per_layer=[round(w, 6) for w in active_parameters or []],
+        placement="auto" if fit else "pinned",
+        fit=fit,
         **cap,
     )
 
@@ -83,53 +85,60 @@ def trust_tiers(tier: str) -> M.TrustTier:
 
 
 @dataclass
-class Source:
-    """What a worker serves: the file to load, its range, and what the bus calls it."""
+class Node:
+    """Who this worker is and how it loads a range (for its first range and for every move)."""
 
-    path: Path
-    start: int
-    end: int
-    preset: str
-    revision: str
-    artifact_id: str
-    kinds: list[str]  # the whole model's layer kinds ([] unknown)
-    gguf: GGUFModel | None = None  # the whole model, when it is on this machine
+    node_id: str
+    backend: str
+    threads: int
+    opts: dict
+    tier: M.TrustTier
+    slow_ms: float
+    fit: M.NodeFit | None = None  # --layers auto: what it can hold
 
+    def load(self, src: Source):
+        """(backend, tokenizer, capability report, owned layer work) for ``src``."""
+        be, tok, per_layer = load(self.backend, src, self.threads, self.opts)
+        report = build_report(
+            self.node_id, be, src.preset, src.revision, src.artifact_id, self.tier, self.slow_ms, src.kinds, per_layer,
+            self.fit,
+        )  # fmt: skip
+        return be, tok, report, sum(per_layer)
 
-def local_source(model: str, layers: str) -> Source:
-    """A model on this machine (a preset or a path), and the range of it to serve."""
-    path = models.resolve(model)
-    gguf = GGUFModel(path)
-    start, end = parse_layers(layers, gguf.n_layers)
-    kinds = [] if gguf.field(META_PREFIX + "layer_start") is not None else layer_kinds(gguf)  # a slice: unknown
-    check_cut(kinds, start, end)
-    return Source(path, start, end, models.preset_for(path), models.revision(path), "", kinds, gguf)
+    def reloader(self, js):
+        """What a move loads: the new range's slice from the shard swarm, then the backend (off the loop)."""
 
+        async def reload(move: M.MoveRange):
+            src = await fetch_range(js, move.artifact_id, move.layer_start, move.layer_end)
+            return await asyncio.to_thread(self.load, src)
 
-async def fetch_slice(url: str, artifact_id: str, layers: str) -> Source:
-    """The verified slice of ``layers`` of an artifact, from the local cache or the shard swarm."""
-    from neuron_bus.artifacts.manifest import n_layers
-    from neuron_bus.artifacts.swarm import fetch_manifest, resolve_artifact
-
-    nc = await connect(url, name="neuron-worker-fetch", max_reconnect_attempts=3)
-    try:
-        js = nc.jetstream()
-        manifest = await fetch_manifest(js, artifact_id)
-        start, end = parse_layers(layers, n_layers(manifest))
-        kinds = manifest.cache_descriptor.layer_kinds
-        check_cut(kinds, start, end)  # before fetching a slice llama.cpp could not load
-        path = await resolve_artifact(js, artifact_id, start, end, models.cache_dir() / "artifacts")
-    finally:
-        await nc.close()
-    return Source(path, start, end, manifest.model_preset, artifact_id, artifact_id, kinds)
+        return reload
 
 
-async def serve(url: str, backend, tokenizer, report: M.CapabilityReport, options, metrics_port: int | None) -> None:
-    from neuron_bus.worker.service import WorkerService
+def first_source(nats: str, model: str | None, artifact: str | None, layers: str | None, node: Node) -> Source:
+    if node.fit is not None:
+        return asyncio.run(auto_source(nats, model or "any", node.fit, node.node_id, node.backend, node.tier))
+    if artifact:
+        return asyncio.run(fetch_slice(nats, artifact, layers or ""))
+    return local_source(model or "", layers or "")
 
+
+def node_fit(layers: str | None, max_layers: int | None, max_memory: str | None, positions: int) -> M.NodeFit | None:
+    """``--layers auto`` (or no --layers): what this node can hold; None for a pinned range."""
+    if layers not in (None, "auto"):
+        if max_layers or max_memory:
+            raise ValueError("--max-layers and --max-memory go with --layers auto")
+        return None
+    return M.NodeFit(max_layers=max_layers or 1 << 20, memory_budget=parse_size(max_memory) if max_memory else 0,
+                     kv_positions=positions)  # fmt: skip
+
+
+async def serve(url: str, node: Node, loaded, options: WorkerOptions, metrics_port: int | None) -> None:
+    backend, tokenizer, report, _ = loaded
     nc = await connect(url, name=f"neuron-worker-{report.node_id}")
     await ensure_topology(nc.jetstream())
-    service = WorkerService(nc, backend, tokenizer, report, options)
+    reload = node.reloader(nc.jetstream()) if node.fit is not None else None  # only a self-placed node moves
+    service = WorkerService(nc, backend, tokenizer, report, options, reload)
     if metrics_port:
         service.metrics.serve(metrics_port)
     stop = asyncio.Event()
@@ -144,14 +153,21 @@ async def serve(url: str, backend, tokenizer, report: M.CapabilityReport, option
     )
     await stop.wait()
     await service.stop()
+    service.engine.backend.close()  # the one it serves now (a move closed the ones before)
     await nc.close()
 
 
 @app.command()
 def worker(
-    model: str = typer.Option(None, help="GGUF path or preset (smollm2-135m, gemma3-270m)."),
+    model: str = typer.Option(
+        None, help="GGUF path or preset (smollm2-135m, gemma3-270m); with --layers auto also any."
+    ),
     artifact: str = typer.Option(None, help="Start from the shard swarm: fetch this artifact id's range."),
-    layers: str = typer.Option(..., help="Layer range to serve, inclusive: 0-14."),
+    layers: str = typer.Option(
+        None, help="Layer range to serve, inclusive (0-14); auto or left out: the tracker chooses and may move it."
+    ),
+    max_layers: int = typer.Option(None, min=1, help="--layers auto: serve at most this many layers."),
+    max_memory: str = typer.Option(None, help="--layers auto: memory for weights and KV slots (650M, 2G)."),
     backend: str = typer.Option("llama-cpp", help="llama-cpp | torch"),
     nats: str = NatsOption,
     threads: int = typer.Option(int(os.environ.get("NEURON_THREADS", "0")) or 1, help="Compute threads."),
@@ -167,9 +183,7 @@ def worker(
     dtype: str = typer.Option("float32", help="torch backend compute dtype: float32 | bfloat16."),
     n_ctx: int = typer.Option(DEFAULT_N_CTX, help="llama-cpp: positions per session (prompt + generated)."),
     max_sessions: int = typer.Option(8, help="llama-cpp: concurrent sessions (KV slots) per worker."),
-    flash_attn: bool = typer.Option(
-        True, help="llama-cpp: flash attention (part of the cache ABI: every hop of a route must agree)."
-    ),
+    flash_attn: bool = typer.Option(True, help="llama-cpp: flash attention (part of the cache ABI: all hops agree)."),
     snapshot_every: int = typer.Option(
         0, help="Write a KV snapshot of every decoding session each N positions (0: off)."
     ),
@@ -177,34 +191,29 @@ def worker(
         None, help="Cache server holding the neuron-snapshots bucket (default: the bus)."
     ),
 ) -> None:
-    """Load a layer range of a GGUF model and serve every route assigned to it."""
+    """Load a layer range of a GGUF model (given, or chosen by the tracker) and serve every route assigned to it."""
     if (model is None) == (artifact is None):
         fail("give exactly one of --model or --artifact")
     node_id = node_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-    try:  # the cheap checks first: loading the model takes seconds
-        fault = faults.check(fault)
-        check_token(node_id, "node id")
-        tier = trust_tiers(trust_tier)
-    except ValueError as exc:
-        fail(str(exc))
-    if snapshot_every < 0:
-        fail("--snapshot-every must be 0 (off) or positive")
     opts = (
         {"dtype": dtype}
         if backend == "torch"
         else {"n_ctx": n_ctx, "max_sessions": max_sessions, "flash_attn": flash_attn}
     )
-    try:
-        src = asyncio.run(fetch_slice(nats, artifact, layers)) if artifact else local_source(model, layers)
-        be, tok, per_layer = load(backend, src, threads, opts)
+    try:  # the cheap checks first: loading the model takes seconds
+        fault = faults.check(fault)
+        check_token(node_id, "node id")
+        fit = node_fit(layers, max_layers, max_memory, n_ctx * max_sessions)
+        node = Node(node_id, backend, threads, opts, trust_tiers(trust_tier), slow_ms, fit)
+        if snapshot_every < 0:
+            raise ValueError("--snapshot-every must be 0 (off) or positive")
+        if fit is not None and artifact:
+            raise ValueError("--layers auto takes --model (a preset, or any), not --artifact")
+        loaded = node.load(first_source(nats, model, artifact, layers, node))
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
-    report = build_report(node_id, be, src.preset, src.revision, src.artifact_id, tier, slow_ms, src.kinds, per_layer)
     options = WorkerOptions(
         idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms, snapshot_every=snapshot_every,
-        snapshot_url=snapshot_nats, owned_layer_work=sum(per_layer), fault=fault,
+        snapshot_url=snapshot_nats, owned_layer_work=loaded[3], fault=fault,
     )  # fmt: skip
-    try:
-        asyncio.run(serve(nats, be, tok, report, options, metrics_port))
-    finally:
-        be.close()
+    asyncio.run(serve(nats, node, loaded, options, metrics_port))

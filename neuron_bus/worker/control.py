@@ -1,7 +1,8 @@
 """A worker's control plane: the requests on ``neuron.node.<id>.ctl``, one handler each.
 
 Ping (latency probes), SessionsQuery (`neuron-bus sessions`), TokenizeRequest (the head tokenizes
-prompts and applies the chat template), SessionOpen / SessionResume / SessionClose (lifecycle.py).
+prompts and applies the chat template), SessionOpen / SessionResume / SessionClose (lifecycle.py),
+MoveRange (the tracker moves a self-placed node: mover.py).
 Every failure is an explicit `ControlError` reply naming its reason, never silence.
 """
 
@@ -18,12 +19,13 @@ log = logging.getLogger("neuron_bus.worker")
 
 
 class ControlPlane:
-    def __init__(self, node_id: str, lifecycle, runner, tokenizer, metrics):
+    def __init__(self, node_id: str, lifecycle, runner, tokenizer, metrics, mover):
         self.node_id = node_id
         self.lifecycle = lifecycle
         self.runner = runner
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.mover = mover
 
     async def on_message(self, msg: Msg) -> None:
         try:
@@ -46,6 +48,8 @@ class ControlPlane:
             return await self.lifecycle.open(req)
         if isinstance(req, M.SessionResume):
             return await self.lifecycle.resume(req)
+        if isinstance(req, M.MoveRange):
+            return self.mover.accept(req)
         if isinstance(req, M.SessionClose):
             freed = await self.lifecycle.close(req.session_id)
             return M.SessionClosed(session_id=req.session_id, node_id=self.node_id, freed_bytes=freed)

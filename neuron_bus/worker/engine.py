@@ -143,6 +143,7 @@ class HopEngine:
         self.trail = trail  # the audit trail's bookkeeping (worked, observe): no I/O
         self.opts = options or EngineOptions()
         self.sessions = SessionTable()
+        self.draining = False  # moving to other layers: no new sessions (mover.py)
         self._fault_rng = np.random.default_rng()
 
     # ------------------------------------------------------------------ admission
@@ -255,6 +256,8 @@ class HopEngine:
     def check_open(self, req: M.SessionOpen) -> M.RouteHop:
         """Is this node the hop ``req`` names, with the same layers and cache ABI, and does it fit?"""
         S.check_token(req.session_id, "session id")
+        if self.draining:
+            raise NeuronBusError("draining", f"{self.node_id} is moving to other layers and takes no new sessions")
         route = req.route
         if not 0 <= req.hop_index < len(route.hops):
             raise ValueError(f"hop index {req.hop_index} is outside route {route.route_id}")

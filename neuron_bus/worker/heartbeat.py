@@ -52,6 +52,7 @@ class Heartbeat:
             neighbour_latency_ms=dict(self.node_telemetry.latency_ms),
             route_failure_rate=self.node_telemetry.failure_rate(),
             cache_warmth=min(1.0, sessions / WARM_SESSIONS),
+            status="draining" if self.engine.draining else "ready",
         )
 
     async def send(self, queue_depth: int) -> None:

@@ -32,6 +32,7 @@ from neuron_bus.worker.engine import EngineOptions, Failed, Gone, HopEngine, Inc
 from neuron_bus.worker.heartbeat import Heartbeat
 from neuron_bus.worker.lifecycle import SessionLifecycle
 from neuron_bus.worker.metrics import WorkerMetrics
+from neuron_bus.worker.mover import Mover, Reload
 from neuron_bus.worker.node_telemetry import NodeTelemetry
 from neuron_bus.worker.outbox import Outbox
 from neuron_bus.worker.runner import BackendRunner
@@ -63,7 +64,15 @@ class WorkerOptions:
 
 
 class WorkerService:
-    def __init__(self, nc: NATS, backend, tokenizer, report: M.CapabilityReport, options: WorkerOptions | None = None):
+    def __init__(
+        self,
+        nc: NATS,
+        backend,
+        tokenizer,
+        report: M.CapabilityReport,
+        options: WorkerOptions | None = None,
+        reload: Reload | None = None,
+    ):
         self.nc, self.js = nc, nc.jetstream()
         self.report, self.node_id = report, report.node_id
         self.opts = options or WorkerOptions()
@@ -82,7 +91,8 @@ class WorkerService:
         self.lifecycle = SessionLifecycle(
             self.engine, self.runner, self.consumers, self.snapshots, self.trail, self.node_telemetry, self.metrics
         )
-        self.control = ControlPlane(self.node_id, self.lifecycle, self.runner, tokenizer, self.metrics)
+        self.mover = Mover(self, reload)
+        self.control = ControlPlane(self.node_id, self.lifecycle, self.runner, tokenizer, self.metrics, self.mover)
         self.heartbeat = Heartbeat(nc, report, self.engine, self.runner, self.node_telemetry, self.metrics)
         self.outbox = Outbox(nc, self.engine, self.runner, self.lifecycle, self.snapshots, self.trail, self.metrics)
         self._loops: list[asyncio.Task] = []
@@ -94,10 +104,23 @@ class WorkerService:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
+    async def announce(self) -> None:
+        """The capability report, for the tracker: in KV ``neuron-nodes`` and on the caps subject."""
         kv = await self.js.key_value(S.KV_NODES)
         await kv.put(self.node_id, M.encode(self.report))
         await self.nc.publish(S.node_caps(self.node_id), M.encode(self.report))
+
+    def take_range(self, backend, tokenizer, report: M.CapabilityReport, owned_layer_work: float) -> None:
+        """Serve another range (a move, once drained): every part of the shell takes the new backend and report."""
+        self.report = report
+        self.engine.backend, self.engine.tokenizer, self.engine.cache_abi = backend, tokenizer, report.cache_abi
+        self.control.tokenizer = tokenizer
+        self.trail.report, self.trail.owned_layer_work = report, owned_layer_work
+        self.snapshots.report = report
+        self.heartbeat.report = report
+
+    async def start(self) -> None:
+        await self.announce()
         self._control_sub = await self.nc.subscribe(S.node_control(self.node_id), cb=self.control.on_message)
         await self.snapshots.start()
         self._loops = [
@@ -118,6 +141,7 @@ class WorkerService:
             await self.lifecycle.close(s.session_id)
         await self.snapshots.stop()
         await self.heartbeat.stop()
+        await self.mover.stop()
         await self.outbox.stop()
         self.runner.close()
 

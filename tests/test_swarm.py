@@ -1,0 +1,160 @@
+"""A swarm that organizes itself (issue 17), with real processes: workers started with ``--layers
+auto`` get their ranges from the tracker's placement, fetch them from the shard swarm, move when
+the tracker asks (draining first: no session lost), and a gap left by a lost node is filled."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import pytest
+
+from neuron_bus import messages as M
+from neuron_bus.client import NeuronClient
+from neuron_bus.local_swarm import LocalSwarm, WorkerSpec, cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+GREEDY = M.SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+def ranges(swarm: LocalSwarm) -> dict[str, tuple[int, int]]:
+    async def probe():
+        async with await NeuronClient.connect(swarm.url) as c:
+            report = await c.coverage(swarm.preset)
+            return {n.node_id: (n.layer_start, n.layer_end) for n in report.nodes if n.alive and n.status == "ready"}
+
+    return asyncio.run(probe())
+
+
+def covered(swarm: LocalSwarm, n_layers: int = 30) -> bool:
+    held = set()
+    for a, b in ranges(swarm).values():
+        held |= set(range(a, b))
+    return held >= set(range(n_layers))
+
+
+def wait_until(what, timeout: float, every: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout:.0f}s")
+
+
+def generate(swarm: LocalSwarm, ids: list[int]) -> list[int]:
+    async def run():
+        async with await NeuronClient.connect(swarm.url) as c:
+            return (await c.complete(prompt_tokens=ids, sampling=GREEDY)).tokens
+
+    return asyncio.run(run())
+
+
+def prompt(reference, text: str = "The history of the printing press begins") -> list[int]:
+    return reference.tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("budget", [["--max-layers", "20"], ["--max-memory", "650M"]], ids=["max-layers", "max-memory"])
+def test_three_auto_workers_cover_the_model_and_generate_the_reference(smollm2_path, tmp_path, reference, budget):
+    swarm = LocalSwarm(smollm2_path, workdir=tmp_path, auto_workers=3, worker_extra={i: budget for i in range(3)})
+    with swarm:
+        held = ranges(swarm)
+        assert len(held) == 3 and covered(swarm)
+        assert all(b - a <= 20 for a, b in held.values())  # 20 layers fit (650M: 20 x 30.5 MB of weights and KV)
+        ids = prompt(reference)
+        assert generate(swarm, ids) == reference(ids, 16)
+
+
+def test_a_lost_tail_is_covered_by_a_move_and_a_node_asked_to_move_finishes_its_session(
+    smollm2_path, tmp_path, reference
+):
+    swarm = LocalSwarm(
+        smollm2_path, workdir=tmp_path, auto_workers=3, worker_extra={i: ["--max-layers", "15"] for i in range(3)}
+    )
+    with swarm:
+        held = ranges(swarm)
+        tails = [n for n, (a, b) in held.items() if b == 30]
+        heads = [n for n, (a, b) in held.items() if b < 30]
+        assert len(tails) == 1 and len(heads) == 2  # two replicas of 0-14, one of 15-29
+        ids = prompt(reference)
+
+        # a session decoding on a node the tracker asks to move: the node drains, the session finishes undisturbed
+        async def session_through_a_move():
+            async with await NeuronClient.connect(swarm.url) as c:
+                route = await c.route(swarm.preset)
+                mover = route.hops[0].node_id
+                run = asyncio.create_task(
+                    c.complete(
+                        prompt_tokens=ids, route=route, sampling=M.SamplingParams(max_tokens=48, ignore_eos=True)
+                    )
+                )
+                await asyncio.sleep(1.0)
+                other = next(n for n in heads if n != mover) if mover in heads else None
+                move = M.MoveRange(
+                    model_preset=swarm.preset, artifact_id=swarm.artifact_id, layer_start=0, layer_end=15, reason="test"
+                )
+                reply = await c.control(mover, move)
+                assert isinstance(reply, M.MoveAccepted) and reply.sessions_draining >= 1
+                return (await run).tokens, other
+
+        tokens, _ = asyncio.run(session_through_a_move())
+        assert tokens == reference(ids, 48)
+
+        # the only tail dies: a head replica moves there, and the swarm serves again
+        lost_at = time.monotonic()
+        swarm.kill(tails[0])
+        wait_until(lambda: covered(swarm) and tails[0] not in ranges(swarm), 60)
+        assert time.monotonic() - lost_at < 60
+        assert generate(swarm, ids) == reference(ids, 16)
+
+
+def test_a_fourth_worker_takes_the_weakest_range_and_the_slow_replica_is_the_one_that_moves(smollm2_path, tmp_path):
+    extra = {i: ["--max-layers", "15"] for i in range(3)}
+    extra[2] += ["--slow-ms", "40"]  # worker-2 computes slowly
+    swarm = LocalSwarm(smollm2_path, workdir=tmp_path, auto_workers=3, worker_extra=extra)
+    with swarm:
+        held = ranges(swarm)
+        slow_range = held["worker-2"]
+        assert sorted(held.values()).count(slow_range) == 2  # the slow one joined a range as its second replica
+        # a fourth joins a covered swarm: it takes the range whose layers carry the least per second
+        spec = WorkerSpec(None, "worker-3", ["--max-layers", "15"])
+        swarm.workers.append(spec)
+        swarm.start_worker(spec)
+        assert wait_until(lambda: ranges(swarm).get("worker-3"), 120) == slow_range, ranges(swarm)
+        # the fast replicas of the other range go; a replica of the slow range must move: the slow one
+        for node, r in list(ranges(swarm).items()):
+            if r != slow_range:
+                swarm.kill(node)
+        wait_until(lambda: covered(swarm), 90)
+        assert ranges(swarm)["worker-2"] != slow_range and ranges(swarm)["worker-3"] == slow_range
+
+
+def test_two_trackers_never_hand_the_same_gap_to_two_nodes(smollm2_path, tmp_path):
+    extra = {i: ["--max-layers", "15"] for i in range(2)}
+    swarm = LocalSwarm(smollm2_path, workdir=tmp_path, auto_workers=2, trackers=2, worker_extra=extra)
+    with swarm:  # the two workers joined at the same time, each asking whichever tracker answers
+        held = ranges(swarm)
+        assert len(held) == 2 and held["worker-0"] != held["worker-1"] and covered(swarm)
+
+
+def test_bad_input_is_refused_before_anything_loads(smollm2_path, tmp_path):
+    swarm = LocalSwarm(smollm2_path, workdir=tmp_path, auto_workers=1)
+    with swarm:
+
+        def worker(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                cli() + ["worker", "--nats", swarm.url, "--threads", "1", *args],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+
+        small = worker("--model", swarm.preset, "--layers", "auto", "--max-memory", "1M")
+        assert small.returncode == 1 and "cannot hold even one layer" in small.stderr, small.stderr
+        unknown = worker("--model", "no-such-model", "--layers", "auto")
+        assert unknown.returncode == 1 and "no-such-model" in unknown.stderr and "Traceback" not in unknown.stderr
+        unpublished = worker("--model", "gemma3-270m", "--layers", "auto")
+        assert unpublished.returncode == 1 and "no published artifact" in unpublished.stderr, unpublished.stderr
