@@ -19,13 +19,11 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from neuron_bus import subjects as S
 from neuron_bus.messages import RouteAssignment, RouteHop, RouteRejection, RouteRequest
+from neuron_bus.routes import TRUSTED_TIERS, hop_subject
 from neuron_bus.tracker import layers, speed
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.view import NodeView, Numerics
-
-TRUSTED_TIERS = ("trusted", "paid-trusted")
 
 
 @dataclass(frozen=True)
@@ -244,11 +242,6 @@ def _key(option: tuple[float, tuple[NodeView, ...]]):
 
 
 # -- messages ---------------------------------------------------------------------------------
-
-
-def hop_subject(route_id: str, index: int) -> str:
-    """The base subject of a hop; workers append ``.prefill`` / ``.decode`` (subjects.hop_input)."""
-    return f"{S.ROOT}.act.{S.check_token(route_id, 'route id')}.{int(index)}"
 
 
 def to_assignment(plan: Plan, req: RouteRequest, route_id: str, now: float) -> RouteAssignment:

@@ -45,9 +45,6 @@ class Registry:
         entry.heartbeat = hb
         entry.last_seen = now
 
-    def remove(self, node_id: str) -> None:
-        self._nodes.pop(node_id, None)
-
     def record_rtt(self, node_id: str, rtt: float | None) -> None:
         if node_id in self._nodes:
             self._nodes[node_id].rtt = rtt

@@ -28,7 +28,7 @@ from neuron_bus import messages
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage, NeuronBusError
 from neuron_bus.messages import CapabilityReport, CoverageRequest, NodeHeartbeat, RouteRejection, RouteRequest
-from neuron_bus.tracker import latency
+from neuron_bus.ping import ping_many
 from neuron_bus.tracker.coverage import coverage_report
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.planner import Rejection, plan_route, to_assignment, to_rejection
@@ -168,7 +168,7 @@ class TrackerService:
 
     async def _ping_loop(self) -> None:
         while True:
-            rtts = await latency.ping_all(self.nc, self.registry.live_ids(_mono()))
+            rtts = await ping_many(self.nc, self.registry.live_ids(_mono()))
             for node_id, rtt in rtts.items():
                 self.registry.record_rtt(node_id, rtt)
             await asyncio.sleep(self.params.ping_interval)

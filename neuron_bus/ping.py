@@ -1,4 +1,8 @@
-"""Round trips from the tracker to nodes, measured with a Ping on each node's control subject."""
+"""One round trip to a node: a `Ping` on its control subject, answered by a `Pong` naming it.
+
+Used by the tracker (latency to every node it may route through) and by workers (latency to
+their route neighbours). Lives outside ``tracker/`` so that a worker never loads the tracker.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from neuron_bus.errors import MalformedMessage
 
 
 async def ping(nc: nats.NATS, node_id: str, timeout: float = 1.0) -> float | None:
-    """Seconds for a Ping to ``node_id`` and its Pong back, or None without a valid answer."""
+    """Seconds for a Ping to ``node_id`` and its Pong back, or None without a valid answer
+    (no reply, a reply that is not a Pong, or a Pong from another node)."""
     t0 = time.perf_counter()
     try:
         msg = await nc.request(
@@ -29,7 +34,8 @@ async def ping(nc: nats.NATS, node_id: str, timeout: float = 1.0) -> float | Non
     return time.perf_counter() - t0
 
 
-async def ping_all(nc: nats.NATS, node_ids: Iterable[str], timeout: float = 1.0) -> dict[str, float | None]:
+async def ping_many(nc: nats.NATS, node_ids: Iterable[str], timeout: float = 1.0) -> dict[str, float | None]:
+    """Ping every node at once; node id -> round trip seconds (None: no valid answer)."""
     ids = list(node_ids)
     results = await asyncio.gather(*(ping(nc, n, timeout) for n in ids))
     return dict(zip(ids, results))
