@@ -34,8 +34,18 @@ async def ping(nc: nats.NATS, node_id: str, timeout: float = 1.0) -> float | Non
     return time.perf_counter() - t0
 
 
-async def ping_many(nc: nats.NATS, node_ids: Iterable[str], timeout: float = 1.0) -> dict[str, float | None]:
-    """Ping every node at once; node id -> round trip seconds (None: no valid answer)."""
+async def ping_many(
+    nc: nats.NATS, node_ids: Iterable[str], timeout: float = 1.0, concurrency: int | None = None
+) -> dict[str, float | None]:
+    """Ping the nodes, at most ``concurrency`` at a time (all at once for None); node id -> round
+    trip seconds (None: no valid answer). Few at a time keeps the answers from queueing behind
+    each other in this process, which would add to every round trip measured."""
     ids = list(node_ids)
-    results = await asyncio.gather(*(ping(nc, n, timeout) for n in ids))
+    gate = asyncio.Semaphore(concurrency or max(len(ids), 1))
+
+    async def one(node_id: str) -> float | None:
+        async with gate:
+            return await ping(nc, node_id, timeout)
+
+    results = await asyncio.gather(*(one(n) for n in ids))
     return dict(zip(ids, results))

@@ -178,6 +178,8 @@ class Pool:
                 await self.nc.publish(S.node_heartbeat(node_id), M.encode(self.heartbeat(node, wall)))
                 self.last_beat[node_id] = wall
                 self.stats["heartbeats"] += 1
+                if self.stats["heartbeats"] % 64 == 0:
+                    await asyncio.sleep(0)  # pongs due now go out on time
                 if node_id in self.draining:
                     self._gone(node)  # a leaving node: its draining heartbeat was its last
                     continue
@@ -230,7 +232,9 @@ class Pool:
 
 
 async def run(args) -> None:
-    spec = swarm.SwarmSpec(nodes=args.nodes, seed=args.seed, duration=args.duration, churn=swarm.Churn.parse(args.churn))
+    spec = swarm.SwarmSpec(
+        nodes=args.nodes, seed=args.seed, duration=args.duration, churn=swarm.Churn.parse(args.churn)
+    )
     nodes = swarm.generate(spec)
     nc = await connect(args.nats, name="swarm-sim-pool", max_reconnect_attempts=-1)
     pool = Pool(nc, nodes, args.t0, args.interval)

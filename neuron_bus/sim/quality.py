@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from neuron_bus.messages import RouteAssignment
+from neuron_bus.messages import RouteAssignment, RouteRequest
 from neuron_bus.routes import TRUSTED_TIERS
 from neuron_bus.sim import swarm
 from neuron_bus.sim.pool import capability
 from neuron_bus.tracker import speed
 from neuron_bus.tracker.params import TrackerParams
+from neuron_bus.tracker.planner import Plan, plan_route
 from neuron_bus.tracker.view import NodeView
 
 
@@ -60,6 +61,18 @@ def best_ring(views: Iterable[NodeView], n: int, params: TrackerParams) -> tuple
     return dist.get(n)
 
 
+def search_ratio(views: Sequence[NodeView], policy: str, params: TrackerParams) -> float | None:
+    """The planner's own search (planner.plan_route) on the ground truth, against the optimum:
+    1.0 when the search loses nothing; what remains of a route's ratio is what the tracker did
+    not know (round trips measured through queues, load a heartbeat behind, throughput noise)."""
+    best = best_ring(views, swarm.N_LAYERS, params)
+    req = RouteRequest(request_id="judge", model_preset=swarm.MODEL, policy=policy)
+    plan = plan_route(req, views, params)
+    if best is None or not isinstance(plan, Plan):
+        return None
+    return ring_cost(plan.hops, params) / best[0]
+
+
 class Judge:
     """Ground truth at the time of a request, for one route."""
 
@@ -67,16 +80,19 @@ class Judge:
         self.nodes = {n.node_id: n for n in nodes}
         self.params = params
 
-    def judge(
-        self, route: RouteAssignment, t: float, sessions: dict[str, int], policy: str = "public"
-    ) -> dict[str, float] | None:
-        """{"cost", "best", "ratio"} for ``route`` requested at run time ``t``; None if no ring exists."""
-        eligible = [
+    def eligible(self, t: float, sessions: dict[str, int], policy: str) -> list[NodeView]:
+        """The nodes alive at run time ``t`` that ``policy`` admits, as they truly are."""
+        return [
             truth_view(n, sessions.get(n.node_id, 0))
             for n in self.nodes.values()
             if n.alive_at(t) and (policy == "public" or n.trust_tier in TRUSTED_TIERS)
         ]
-        best = best_ring(eligible, swarm.N_LAYERS, self.params)
+
+    def judge(
+        self, route: RouteAssignment, t: float, sessions: dict[str, int], policy: str = "public"
+    ) -> dict[str, float] | None:
+        """{"cost", "best", "ratio"} for ``route`` requested at run time ``t``; None if no ring exists."""
+        best = best_ring(self.eligible(t, sessions, policy), swarm.N_LAYERS, self.params)
         if best is None:
             return None
         hops = [truth_view(self.nodes[h.node_id], sessions.get(h.node_id, 0)) for h in route.hops]

@@ -37,7 +37,7 @@ from neuron_bus import messages as M
 from neuron_bus.sim import probe as P
 from neuron_bus.sim import swarm
 from neuron_bus.sim.procs import Proc, SimError, Usage, start_server, start_tracker, varz
-from neuron_bus.sim.quality import Judge
+from neuron_bus.sim.quality import Judge, search_ratio
 from neuron_bus.topology import connect, ensure_topology
 from neuron_bus.tracker.params import TrackerParams
 
@@ -58,11 +58,20 @@ class Options:
     kill_tracker_at: float | None = None
     seed: int = 1
     expiry: float = 5.0
-    warmup: float = 8.0
+    warmup: float | None = None  # None: long enough for the trackers' pings to reach every node once
     quality_samples: int = 200
     tracker_args: tuple[str, ...] = ()
     profile_dir: str | None = None  # write each tracker's cProfile stats here
     timeout: float = 3.0  # seconds a route request waits for its answer (then once more)
+
+
+def warmup_seconds(opts: Options) -> float:
+    """A tracker that has been running a while has measured every node's round trip: wait for
+    its pings (TrackerParams.ping_budget a second) to go round the swarm once, at least 8 s."""
+    if opts.warmup is not None:
+        return max(opts.warmup, opts.expiry + 1)
+    p = TrackerParams()
+    return max(8.0, opts.expiry + 1, 1.2 * opts.nodes / p.ping_budget * p.ping_interval + 3)
 
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict:
@@ -92,7 +101,7 @@ async def _warm(nc, probe: P.Probe, opts: Options, ready_at: float) -> None:
         if time.monotonic() > deadline:
             raise SimError("no_route", f"no route after 120s of warm-up: {r.reply or r.error}")
         await asyncio.sleep(0.5)
-    left = ready_at + max(opts.warmup, opts.expiry + 1) - time.time()
+    left = ready_at + warmup_seconds(opts) - time.time()
     if left > 0:
         await asyncio.sleep(left)
 
@@ -139,14 +148,18 @@ def _checks(results: list[P.RouteResult], truth: dict[str, swarm.SimNode], gone:
     return out
 
 
-def _quality(results: list[P.RouteResult], judge: Judge, t0: float, limit: int) -> dict:
-    ratios = []
+def _quality(results: list[P.RouteResult], judge: Judge, t0: float, limit: int, search_checks: int = 10) -> dict:
+    ratios, search = [], []
     for r in results:
         if r.sessions is None or not isinstance(r.reply, M.RouteAssignment):
             continue
         verdict = judge.judge(r.reply, r.sent - t0, r.sessions, r.policy)
         if verdict is not None:
             ratios.append(verdict["ratio"])
+        if len(search) < search_checks and len(ratios) % 10 == 1:
+            ratio = search_ratio(judge.eligible(r.sent - t0, r.sessions, r.policy), r.policy, judge.params)
+            if ratio is not None:
+                search.append(ratio)
         if len(ratios) >= limit:
             break
     if not ratios:
@@ -155,9 +168,11 @@ def _quality(results: list[P.RouteResult], judge: Judge, t0: float, limit: int) 
     return {
         "n": len(ratios),
         "median_ratio": round(statistics.median(ratios), 4),
+        "mean_ratio": round(statistics.fmean(ratios), 4),
         "p90_ratio": round(ratios[int(0.9 * (len(ratios) - 1))], 4),
         "max_ratio": round(ratios[-1], 4),
         "within_5pct": round(sum(x <= 1.05 for x in ratios) / len(ratios), 3),
+        "search_on_truth": {"n": len(search), "max_ratio": round(max(search), 4) if search else None},
     }
 
 
@@ -174,7 +189,7 @@ async def _simulate(opts: Options, workdir: Path) -> dict:
         spec = swarm.SwarmSpec(
             nodes=opts.nodes,
             seed=opts.seed,
-            duration=opts.warmup + opts.idle_seconds + opts.duration + opts.throughput_seconds + 30,
+            duration=warmup_seconds(opts) + opts.idle_seconds + opts.duration + opts.throughput_seconds + 30,
             churn=swarm.Churn.parse(opts.churn),
         )
         nodes = swarm.generate(spec)
@@ -204,7 +219,11 @@ async def _simulate(opts: Options, workdir: Path) -> dict:
         )
         ready = json.loads(pool.wait_line(lambda line: line.startswith('{"ready"'), 300))
         ready_at = time.time()
-        probe = P.Probe(nc, timeout=opts.timeout, sample_every=max(1, int(opts.route_rate * opts.duration / max(opts.quality_samples, 1))))
+        probe = P.Probe(
+            nc,
+            timeout=opts.timeout,
+            sample_every=max(1, int(opts.route_rate * opts.duration / max(opts.quality_samples, 1))),
+        )
         await _warm(nc, probe, opts, ready_at)
 
         pids = {f"tracker-{i}": t.pid for i, t in enumerate(trackers)}
@@ -328,7 +347,9 @@ def summary(result: dict) -> str:
         lines.append(f"throughput {tp['routes_per_s']} routes/s at {tp['concurrency']} clients, ms {tp['route_ms']}")
     for phase in ("idle", "latency_phase"):
         u = result[phase]["usage"]
-        lines.append(f"{phase}: " + ", ".join(f"{k} cpu {v['cpu_share']:.2f} rss {v['rss_mb']} MB" for k, v in u.items()))
+        lines.append(
+            f"{phase}: " + ", ".join(f"{k} cpu {v['cpu_share']:.2f} rss {v['rss_mb']} MB" for k, v in u.items())
+        )
         lines.append(f"{phase} bus: {result[phase]['bus']}")
     lines.append(f"quality {result['quality']}")
     lines.append(f"checks {result['checks']}")
@@ -343,7 +364,9 @@ def main(argv=None) -> None:
     p.add_argument("--nodes", type=int, default=d.nodes)
     p.add_argument("--trackers", type=int, default=d.trackers)
     p.add_argument("--duration", type=float, default=d.duration, help="seconds of the latency phase")
-    p.add_argument("--churn", default=d.churn, help='per minute: "0.01" (each kind) or "joins=0.02,leaves=0,deaths=0.01"')
+    p.add_argument(
+        "--churn", default=d.churn, help='per minute: "0.01" (each kind) or "joins=0.02,leaves=0,deaths=0.01"'
+    )
     p.add_argument("--route-rate", type=float, default=d.route_rate)
     p.add_argument("--coverage-rate", type=float, default=d.coverage_rate)
     p.add_argument("--concurrency", type=int, default=d.concurrency)
@@ -352,7 +375,7 @@ def main(argv=None) -> None:
     p.add_argument("--kill-tracker-at", type=float, default=None)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--expiry", type=float, default=d.expiry)
-    p.add_argument("--warmup", type=float, default=d.warmup)
+    p.add_argument("--warmup", type=float, default=d.warmup, help="seconds (default: pings reach every node once)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--tracker-arg", action="append", default=[], help="extra argument for every tracker")
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds a route request waits")

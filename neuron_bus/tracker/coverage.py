@@ -34,23 +34,29 @@ def coverage_report(
     groups: dict[Numerics, list[NodeView]] = defaultdict(list)
     for v in chosen:
         groups[v.numerics].append(v)
+    speeds = {k: speed.GroupSpeed([v for v in vs if v.usable]) for k, vs in groups.items()}
     return CoverageReport(
         generated_at=now,
         expiry_seconds=params.expiry,
         min_replicas=params.min_replicas,
         min_capacity_tokens_per_second=params.min_capacity_tokens_per_second,
         slow_factor=params.slow_factor,
-        models=[model_coverage(numerics, groups[numerics], params) for numerics in sorted(groups)],
-        nodes=tracked_nodes(chosen, params),
+        models=[model_coverage(numerics, groups[numerics], speeds[numerics], params) for numerics in sorted(groups)],
+        nodes=tracked_nodes(chosen, speeds, params),
     )
 
 
-def model_coverage(numerics: Numerics, nodes: Sequence[NodeView], params: TrackerParams) -> ModelCoverage:
+def model_coverage(
+    numerics: Numerics, nodes: Sequence[NodeView], group_speed: speed.GroupSpeed, params: TrackerParams
+) -> ModelCoverage:
     n = numerics.n_layers_total
-    usable = [v for v in nodes if v.usable]
-    slow = speed.slow_nodes(usable, params)
+    by_range: dict[tuple[int, int], list[NodeView]] = defaultdict(list)
+    for v in nodes:
+        if v.usable:
+            by_range[(v.layer_start, v.layer_end)].append(v)
+    slow = {v.node_id for vs in by_range.values() for v in vs if group_speed.is_slow(v, params)}
     layer_rows = [
-        layer_coverage(i, [v for v in usable if v.layer_start <= i < v.layer_end], slow, params) for i in range(n)
+        row for a, b, replicas in segments(by_range, n) for row in layer_coverage(a, replicas, slow, params, rows=b - a)
     ]
     return ModelCoverage(
         model_preset=numerics.model_preset,
@@ -61,11 +67,24 @@ def model_coverage(numerics: Numerics, nodes: Sequence[NodeView], params: Tracke
         layers=layer_rows,
         nodes_live=sorted(v.node_id for v in nodes if v.alive),
         nodes_expired=sorted(v.node_id for v in nodes if not v.alive),
-        hint=rebalance_hint(layer_rows, [(v.layer_start, v.layer_end) for v in usable], n, model_layer_kinds(nodes)),
+        hint=rebalance_hint(layer_rows, list(by_range), n, model_layer_kinds(nodes)),
     )
 
 
-def layer_coverage(layer: int, replicas: Sequence[NodeView], slow: set[str], params: TrackerParams) -> LayerCoverage:
+def segments(by_range: dict[tuple[int, int], list[NodeView]], n: int):
+    """Maximal runs [a, b) of layers served by the same ranges, with their replicas:
+    O(r log r) for r ranges, plus the replicas once per run."""
+    cuts = sorted({0, n, *(x for r in by_range for x in r if 0 <= x <= n)})
+    for a, b in zip(cuts, cuts[1:]):
+        replicas = [v for (s, e), vs in by_range.items() if s <= a and b <= e for v in vs]
+        yield a, b, replicas
+
+
+def layer_coverage(
+    layer: int, replicas: Sequence[NodeView], slow: set[str], params: TrackerParams, rows: int = 1
+) -> list[LayerCoverage]:
+    """The rows of ``rows`` consecutive layers from ``layer`` that ``replicas`` all serve (one list of
+    replica ids shared by every row)."""
     capacity = sum(v.decode_tps or 0.0 for v in replicas)
     reasons = []
     if replicas and len(replicas) < params.min_replicas:
@@ -76,13 +95,17 @@ def layer_coverage(layer: int, replicas: Sequence[NodeView], slow: set[str], par
     if replicas and measured and capacity < params.min_capacity_tokens_per_second:
         reasons.append(f"capacity {capacity:.1f} tok/s < {params.min_capacity_tokens_per_second:g}")
     status = "gap" if not replicas else "under-provisioned" if reasons else "covered"
-    return LayerCoverage(
-        layer=layer,
-        status=status,
-        replicas=sorted(v.node_id for v in replicas),
-        capacity_tokens_per_second=round(capacity, 3),
-        reasons=reasons,
-    )
+    ids = sorted(v.node_id for v in replicas)
+    return [
+        LayerCoverage(
+            layer=i,
+            status=status,
+            replicas=ids,
+            capacity_tokens_per_second=round(capacity, 3),
+            reasons=reasons,
+        )
+        for i in range(layer, layer + rows)
+    ]
 
 
 def spans(rows: Sequence[LayerCoverage]) -> list[tuple[int, int, LayerCoverage]]:
@@ -138,11 +161,9 @@ def rebalance_hint(
     return RebalanceHint(layer_start=start, layer_end=end, reason=why)
 
 
-def tracked_nodes(views: Sequence[NodeView], params: TrackerParams) -> list[TrackedNode]:
-    groups: dict[Numerics, list[NodeView]] = defaultdict(list)
-    for v in views:
-        groups[v.numerics].append(v)
-    peers = {k: [v for v in vs if v.usable] for k, vs in groups.items()}
+def tracked_nodes(
+    views: Sequence[NodeView], speeds: dict[Numerics, speed.GroupSpeed], params: TrackerParams
+) -> list[TrackedNode]:
     return [
         TrackedNode(
             node_id=v.node_id,
@@ -161,7 +182,7 @@ def tracked_nodes(views: Sequence[NodeView], params: TrackerParams) -> list[Trac
             queue_depth=v.queue_depth,
             route_failure_rate=v.failure_rate,
             rtt_ms=None if v.rtt is None else round(v.rtt * 1000, 3),
-            slow=speed.is_slow(v, peers[v.numerics], params),
+            slow=speeds[v.numerics].is_slow(v, params),
             trust_tier=v.caps.trust_tier,
             flagged=v.flagged,
         )

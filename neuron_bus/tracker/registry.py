@@ -1,17 +1,29 @@
-"""The node table: capability reports and heartbeats, with expiry.
+"""The node table: capability reports and heartbeats, with expiry, feeding the route index.
 
 Liveness is judged on the tracker's clock (when a heartbeat arrived), never on the node's
 timestamps. A heartbeat from a node whose report the tracker has not seen yet (a tracker
 restart, a lost announcement) is kept, and ``needs_report`` tells the service to read the
 node's report from the ``neuron-nodes`` KV bucket. The table is pure state: no NATS here.
+
+Every change to a node (report, heartbeat, round trip, assignment, expiry) refiles it in the
+route index (index.py), so route requests never scan the table.
+
+Cost, n nodes:
+- ``apply_heartbeat`` / ``apply_report`` / ``record_rtt``: O(1) here plus the index's O(log m);
+  ``record_assignment``: the same per hop.
+- ``sweep`` (every 0.25 s): O(1 + what changed): nodes are kept in order of their last
+  heartbeat, so only the ones past the expiry are looked at; dead nodes in order of death, for
+  forgetting; assignments in time order, for the end of their window.
+- ``views`` (coverage map, rejection reasons): O(n log n).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from neuron_bus.messages import CapabilityReport, NodeHeartbeat, RouteAssignment
+from neuron_bus.tracker.index import RouteIndex
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.view import NodeView
 
@@ -22,15 +34,24 @@ class _Entry:
     heartbeat: NodeHeartbeat | None = None
     last_seen: float | None = None  # tracker clock, when the last heartbeat arrived
     added: float | None = None  # tracker clock, when the report arrived (live or read from KV)
-    rtt: float | None = None
+    rtt: float | None = None  # the least of the last RTT_SAMPLES round trips
+    rtts: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES))
     assigned: deque[float] = field(default_factory=deque)
     was_alive: bool = False
+
+
+RTT_SAMPLES = 4  # a round trip only ever gains from queueing on the way: the least of a few is the path's
 
 
 class Registry:
     def __init__(self, params: TrackerParams = TrackerParams()):
         self.params = params
+        self.index = RouteIndex(params)
         self._nodes: dict[str, _Entry] = {}
+        self._heard: OrderedDict[str, None] = OrderedDict()  # alive nodes, least recently heard first
+        self._silent: OrderedDict[str, float] = OrderedDict()  # dead (or never heard) nodes -> since when
+        self._assignments: deque[tuple[float, str]] = deque()  # (when, node id), oldest first
+        self._joined: list[str] = []
 
     # -- updates ------------------------------------------------------------------------------
 
@@ -39,20 +60,54 @@ class Registry:
         entry.caps = caps
         if entry.added is None:
             entry.added = now
+            if entry.last_seen is None and now is not None:
+                self._silent[caps.node_id] = now  # forgotten unless a heartbeat follows
+        self._refile(caps.node_id, entry, now)
 
     def apply_heartbeat(self, hb: NodeHeartbeat, now: float) -> None:
-        entry = self._nodes.setdefault(hb.node_id, _Entry())
+        node_id = hb.node_id
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            entry = self._nodes[node_id] = _Entry()
         entry.heartbeat = hb
         entry.last_seen = now
+        if not entry.was_alive:
+            entry.was_alive = True
+            self._joined.append(node_id)
+            self._silent.pop(node_id, None)
+        self._heard[node_id] = None
+        self._heard.move_to_end(node_id)
+        self._refile(node_id, entry, now)
 
-    def record_rtt(self, node_id: str, rtt: float | None) -> None:
-        if node_id in self._nodes:
-            self._nodes[node_id].rtt = rtt
+    def record_rtt(self, node_id: str, rtt: float, now: float) -> None:
+        entry = self._nodes.get(node_id)
+        if entry is not None:
+            entry.rtts.append(rtt)
+            entry.rtt = min(entry.rtts)
+            self._refile(node_id, entry, now)
 
     def record_assignment(self, route: RouteAssignment, now: float) -> None:
         for hop in route.hops:
-            if hop.node_id in self._nodes:
-                self._nodes[hop.node_id].assigned.append(now)
+            entry = self._nodes.get(hop.node_id)
+            if entry is not None:
+                entry.assigned.append(now)
+                self._assignments.append((now, hop.node_id))
+                self._refile(hop.node_id, entry, now)
+
+    def forget_assignment(self, route: RouteAssignment, when: float, now: float) -> None:
+        """Take back an assignment recorded at ``when`` that was never handed out."""
+        for hop in route.hops:
+            entry = self._nodes.get(hop.node_id)
+            if entry is not None and when in entry.assigned:
+                entry.assigned.remove(when)
+                self._refile(hop.node_id, entry, now)
+
+    def _refile(self, node_id: str, entry: _Entry, now: float | None) -> None:
+        if entry.caps is None:
+            return
+        if now is None:
+            now = entry.last_seen if entry.last_seen is not None else 0.0
+        self.index.update(self._view(node_id, entry, now))
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -66,61 +121,79 @@ class Registry:
         return entry is not None and entry.heartbeat is not None and not _consistent(entry)
 
     def live_ids(self, now: float) -> list[str]:
-        return sorted(n for n in self._nodes if self.alive(n, now))
+        return sorted(n for n in self._heard if self.alive(n, now))
+
+    def __len__(self) -> int:
+        return len(self._nodes)
 
     def sweep(self, now: float) -> tuple[list[str], list[str]]:
-        """Note liveness changes; forget nodes dead for ``forget_after``.
+        """Note liveness changes; forget nodes dead for ``forget_after``; end assignment windows.
 
         A report never followed by a heartbeat counts from when it arrived: the KV bucket keeps
         every node that ever announced itself, and a restarted tracker reads them all.
 
         Returns (node ids that came alive, node ids that expired) since the last sweep.
         """
-        joined, expired = [], []
-        for node_id, entry in list(self._nodes.items()):
-            alive = self.alive(node_id, now)
-            if alive and not entry.was_alive:
-                joined.append(node_id)
-            elif not alive and entry.was_alive:
-                expired.append(node_id)
-            entry.was_alive = alive
-            seen = entry.last_seen if entry.last_seen is not None else entry.added
-            if not alive and seen is not None and now - seen > self.params.forget_after:
-                del self._nodes[node_id]
-            while entry.assigned and now - entry.assigned[0] > self.params.assignment_window:
-                entry.assigned.popleft()
+        p = self.params
+        expired = []
+        while self._heard:
+            node_id = next(iter(self._heard))
+            entry = self._nodes[node_id]
+            if now - entry.last_seen <= p.expiry:
+                break
+            del self._heard[node_id]
+            entry.was_alive = False
+            expired.append(node_id)
+            self._silent[node_id] = entry.last_seen
+            self._refile(node_id, entry, now)
+        while self._silent:
+            node_id, since = next(iter(self._silent.items()))
+            if now - since <= p.forget_after:
+                break
+            del self._silent[node_id]
+            self._nodes.pop(node_id, None)
+            self.index.discard(node_id)
+        while self._assignments and now - self._assignments[0][0] > p.assignment_window:
+            when, node_id = self._assignments.popleft()
+            entry = self._nodes.get(node_id)
+            if entry is not None:
+                while entry.assigned and now - entry.assigned[0] > p.assignment_window:
+                    entry.assigned.popleft()
+                self._refile(node_id, entry, now)
+        joined, self._joined = self._joined, []
         return sorted(joined), sorted(expired)
+
+    def view(self, node_id: str, now: float) -> NodeView | None:
+        entry = self._nodes.get(node_id)
+        return None if entry is None or entry.caps is None else self._view(node_id, entry, now)
 
     def views(self, now: float) -> list[NodeView]:
         """A snapshot of every node with a capability report, for the planner and coverage."""
-        out = []
-        for node_id in sorted(self._nodes):
-            entry = self._nodes[node_id]
-            if entry.caps is None:
-                continue
-            hb = entry.heartbeat if _consistent(entry) else None
-            caps = entry.caps
-            out.append(
-                NodeView(
-                    caps=caps,
-                    alive=self.alive(node_id, now),
-                    status=hb.status if hb else "unknown",
-                    seconds_since_heartbeat=None if entry.last_seen is None else now - entry.last_seen,
-                    decode_tps=_measured(hb.decode_tokens_per_second if hb else 0.0, caps.decode_tokens_per_second),
-                    prefill_tps=_measured(hb.prefill_tokens_per_second if hb else 0.0, caps.prefill_tokens_per_second),
-                    sessions_active=hb.sessions_active if hb else 0,
-                    recently_assigned=self._pending_assignments(entry, now),
-                    queue_depth=hb.queue_depth if hb else 0,
-                    failure_rate=hb.route_failure_rate if hb else 0.0,
-                    rtt=entry.rtt,
-                    neighbour_latency={k: v / 1000.0 for k, v in hb.neighbour_latency_ms.items()} if hb else {},
-                    consistent=entry.heartbeat is None or hb is not None,
-                )
-            )
-        return out
+        return [self._view(i, e, now) for i, e in sorted(self._nodes.items()) if e.caps is not None]
+
+    def _view(self, node_id: str, entry: _Entry, now: float) -> NodeView:
+        hb = entry.heartbeat if _consistent(entry) else None
+        caps = entry.caps
+        return NodeView(
+            caps=caps,
+            alive=self.alive(node_id, now),
+            status=hb.status if hb else "unknown",
+            seconds_since_heartbeat=None if entry.last_seen is None else now - entry.last_seen,
+            decode_tps=_measured(hb.decode_tokens_per_second if hb else 0.0, caps.decode_tokens_per_second),
+            prefill_tps=_measured(hb.prefill_tokens_per_second if hb else 0.0, caps.prefill_tokens_per_second),
+            sessions_active=hb.sessions_active if hb else 0,
+            recently_assigned=self._pending_assignments(entry, now),
+            queue_depth=hb.queue_depth if hb else 0,
+            failure_rate=hb.route_failure_rate if hb else 0.0,
+            rtt=entry.rtt,
+            neighbour_latency={k: v / 1000.0 for k, v in hb.neighbour_latency_ms.items()} if hb else {},
+            consistent=entry.heartbeat is None or hb is not None,
+        )
 
     def _pending_assignments(self, entry: _Entry, now: float) -> int:
         """Recent assignments no heartbeat could have reported yet (see TrackerParams)."""
+        if not entry.assigned:
+            return 0
         reported_before = entry.last_seen - self.params.assignment_grace if entry.last_seen is not None else None
         return sum(
             1

@@ -76,6 +76,6 @@ class NodeView:
 
     @property
     def load(self) -> int:
-        """Sessions competing for this node: reported ones, or recent assignments not yet
+        """Sessions competing for this node: reported ones, plus recent assignments not yet
         reported, plus queued work."""
-        return max(self.sessions_active, self.recently_assigned) + self.queue_depth
+        return self.sessions_active + self.recently_assigned + self.queue_depth
