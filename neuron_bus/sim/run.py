@@ -66,12 +66,12 @@ class Options:
 
 
 def warmup_seconds(opts: Options) -> float:
-    """A tracker that has been running a while has measured every node's round trip: wait for
-    its pings (TrackerParams.ping_budget a second) to go round the swarm once, at least 8 s."""
+    """A tracker that has been running a while has measured every node's round trip a few times:
+    wait for its pings (TrackerParams.ping_budget a round) to go round the swarm twice, at least 8 s."""
     if opts.warmup is not None:
         return max(opts.warmup, opts.expiry + 1)
     p = TrackerParams()
-    return max(8.0, opts.expiry + 1, 1.2 * opts.nodes / p.ping_budget * p.ping_interval + 3)
+    return max(8.0, opts.expiry + 1, 2.2 * opts.nodes / p.ping_budget * p.ping_interval + 3)
 
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict:

@@ -12,8 +12,8 @@ places that rarely chain. About 50 distinct ranges, tens to hundreds of replicas
 
 Speed. A node's time per token is a fixed part (the call, embedding or head) plus its layers
 times a per-layer time drawn log-normally around 0.5 ms (hardware varies); 3% of the nodes are
-stragglers, ten times slower. Heartbeats report the true throughput with a few percent of
-measurement noise.
+stragglers, ten times slower. Heartbeats report the true throughput while a node is idle (its
+self-benchmark) and, while it has sessions, a rolling measurement that drifts within 3% of it.
 
 Latency. Every node sits in a region at a round trip from the bus (5 to 150 ms, with jitter);
 a seam between two nodes costs half of each one's round trip (the planner's own model, see

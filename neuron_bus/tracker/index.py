@@ -17,9 +17,10 @@ Cost, with m replicas in a range, c ranges in a group, k candidates per range:
   (stale, filtered out by the request, or stragglers).
 - ``GroupIndex.speed``: the group's straggler references (speed.GroupSpeed), rebuilt in
   O(m log m) when the group changed, but never more often than it pays for: not before 20x its
-  last build time has passed (small groups: at once; 10,000 nodes: tens of milliseconds).
+  last build time has passed. Small groups (under 2 ms) are rebuilt when read; large ones by the
+  tracker in a worker thread (``stale_speeds``), never inside a route request.
 
-Pure state: no NATS, no clock of its own (callers pass ``now``).
+Pure state: no NATS; the only clock it reads times its own rebuilds (perf_counter).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from neuron_bus.routes import TRUSTED_TIERS
-from neuron_bus.tracker import speed
+from neuron_bus.tracker import layers, speed
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.view import NodeView, Numerics
 
 Range = tuple[int, int]
 SPEED_REBUILD_FACTOR = 20.0  # a group's speed references are rebuilt at most every 20x their build time
+CHEAP_REBUILD_S = 0.002  # references that take longer to build are rebuilt in the background
 
 
 def ring_weight(view: NodeView, refs: speed.References, params: TrackerParams) -> float:
@@ -102,7 +104,7 @@ class RangeClass:
         gives up on a heap after ``k + SKIP`` live entries.
         """
         taken: list[tuple[list, tuple[float, str, int]]] = []
-        kept: list[tuple[float, str, NodeView]] = []
+        kept: list[tuple[float, str, NodeView, bool]] = []
         for trusted in (True,) if trusted_only else (True, False):
             heap = self._heaps[trusted]
             looked = n_kept = n_fast = 0
@@ -114,13 +116,14 @@ class RangeClass:
                 taken.append((heap, item))
                 looked += 1
                 if keep(entry.view):
-                    kept.append((item[0], item[1], entry.view))
+                    is_slow = slow(entry.view)
+                    kept.append((item[0], item[1], entry.view, is_slow))
                     n_kept += 1
-                    n_fast += not slow(entry.view)
+                    n_fast += not is_slow
         for heap, item in taken:
             heapq.heappush(heap, item)
         kept.sort(key=lambda x: (x[0], x[1]))
-        return [v for _, _, v in kept[:k]], [v for _, _, v in kept if not slow(v)][:k]
+        return [x[2] for x in kept[:k]], [x[2] for x in kept if not x[3]][:k]
 
 
 def _anyone(view: NodeView) -> bool:
@@ -144,6 +147,20 @@ class GroupIndex:
         self._speed_built = 0.0
         self._speed_cost = 0.0
         self._changed = True
+        self._chainable: list[RangeClass] | None = None
+
+    def chainable(self) -> list[RangeClass]:
+        """The ranges that can be on a complete route at all: reached by a chain from layer 0 and
+        reaching the last layer, with every range of the group (the rest never chain)."""
+        if self._chainable is None:
+            ranges = list(self.classes)
+            n = self.numerics.n_layers_total
+            starts, ends = layers.reachable_from_start(ranges), layers.reaching_end(ranges, n)
+            self._chainable = [c for (a, b), c in sorted(self.classes.items()) if a in starts and b in ends]
+        return self._chainable
+
+    def ranges_changed(self) -> None:
+        self._chainable = None
 
     def members(self) -> Iterable[NodeView]:
         for cls in self.classes.values():
@@ -156,25 +173,36 @@ class GroupIndex:
     def touched(self) -> None:
         self._changed = True
 
-    def adopt(self, group_speed: speed.GroupSpeed) -> None:
-        """Take references built from exactly the current members."""
+    def adopt(self, group_speed: speed.GroupSpeed, cost: float | None = None) -> None:
+        """Take references built from the members (``cost``: what building them took)."""
         self._speed, self._changed = group_speed, False
+        self._speed_built = time.perf_counter()
+        if cost is not None:
+            self._speed_cost = cost
 
     def references(self) -> speed.References:
         """The references as last built (they weigh unmeasured nodes; a little staleness is fine)."""
         return self._speed.references if self._speed is not None else speed.References()
 
-    def speed(self, clock: Callable[[], float] = time.perf_counter) -> speed.GroupSpeed:
-        now = clock()
-        stale = self._speed is None or (
+    def _stale(self, now: float) -> bool:
+        return self._speed is None or (
             self._changed and now - self._speed_built >= SPEED_REBUILD_FACTOR * self._speed_cost
         )
-        if stale:
+
+    def speed(self) -> speed.GroupSpeed:
+        """The group's straggler references: rebuilt here when the group changed and they are
+        cheap to rebuild (small groups: always fresh); a large group's are rebuilt by the
+        caller's background work (``RouteIndex.stale_speeds``) and read here as they are."""
+        now = time.perf_counter()
+        if self._stale(now) and (self._speed is None or self._speed_cost <= CHEAP_REBUILD_S):
             self._speed = speed.GroupSpeed(list(self.members()))
-            self._speed_cost = clock() - now
+            self._speed_cost = time.perf_counter() - now
             self._speed_built = now
             self._changed = False
         return self._speed
+
+    def needs_background_speed(self) -> bool:
+        return self._speed_cost > CHEAP_REBUILD_S and self._stale(time.perf_counter())
 
 
 class RouteIndex:
@@ -221,6 +249,7 @@ class RouteIndex:
         cls = group.classes.get(where[1])
         if cls is None:
             cls = group.classes[where[1]] = RangeClass(*where[1])
+            group.ranges_changed()
         self._version += 1
         cls.put(view, ring_weight(view, refs, self.params), self._version)
         group.touched()
@@ -235,6 +264,7 @@ class RouteIndex:
         group.touched()
         if not cls.nodes:
             del group.classes[where[1]]
+            group.ranges_changed()
         if not group.classes:
             del self.groups[where[0]]
 
@@ -243,6 +273,10 @@ class RouteIndex:
         if where is None:
             return None
         return self.groups[where[0]].classes[where[1]].nodes[node_id].view
+
+    def stale_speeds(self) -> list[GroupIndex]:
+        """Large groups whose speed references are due for a rebuild in the background."""
+        return [g for g in self.groups.values() if g.needs_background_speed()]
 
     def candidates(self, k: int) -> set[str]:
         """The ``k`` lightest replicas of every range, for public and for trusted routes: the

@@ -1,11 +1,13 @@
 """Which nodes the tracker pings: a bounded sample per round, route candidates first.
 
-A round (every ``ping_interval``) pings at most ``ping_budget`` nodes, in this order:
-1. route candidates never measured (the planner would route through them on a guessed seam),
-2. other nodes never measured (by node id),
-3. then, alternately, the candidates and the other nodes measured longest ago.
-So a new node that could win routes is measured within a round, the candidates stay fresh, and
-the rest of a large swarm is re-measured a budget at a time.
+A round trip measured through queues only ever comes out too long, so the tracker keeps the
+least of a node's last few (registry.RTT_SAMPLES) and pings the nodes whose figure is least
+settled first. A round (every ``ping_interval``) pings at most ``ping_budget`` nodes: half the
+budget for route candidates (the lightest replicas of every range: the nodes routes are about to
+use), half for the rest of the swarm, each half ordered by (answers so far, capped at
+``settled``; then the longest since pinged). A share one side does not use goes to the other.
+So a node that could win routes is measured within a round of joining and its figure settles
+within a few, and the rest of a large swarm is measured, then re-measured, a budget at a time.
 
 Cost per round: O(n + b log n) for n live nodes and a budget of b pings, i.e. amortised O(1)
 per node per round; the pings themselves are bounded by the budget, whatever n is.
@@ -16,34 +18,40 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable
-from itertools import chain, zip_longest
 
 
 class PingSampler:
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, settled: int = 4):
         self.budget = budget
+        self.settled = settled
         self.pinged: dict[str, float] = {}  # node id -> when it was last pinged (answered or not)
+        self.answers: dict[str, int] = {}  # node id -> pings it answered
+
+    def _rank(self, node_id: str) -> tuple[int, float]:
+        return (min(self.answers.get(node_id, 0), self.settled), self.pinged.get(node_id, float("-inf")))
 
     def choose(self, live: Iterable[str], candidates: Iterable[str]) -> list[str]:
         """The nodes to ping this round (see the module docstring)."""
         live = set(live)
-        cands = [c for c in dict.fromkeys(candidates) if c in live]
-        cand_set = set(cands)
-        others = [n for n in live if n not in cand_set]
+        cands = {c for c in candidates if c in live}
         b = self.budget
-        fresh_c = [c for c in cands if c not in self.pinged]
-        fresh_o = sorted(n for n in others if n not in self.pinged)[:b]  # sorted: deterministic
-        old_c = heapq.nsmallest(b, (c for c in cands if c in self.pinged), key=self.pinged.__getitem__)
-        old_o = heapq.nsmallest(b, (n for n in others if n in self.pinged), key=self.pinged.__getitem__)
-        alternate = (x for pair in zip_longest(old_c, old_o) for x in pair if x is not None)
-        return list(chain(fresh_c, fresh_o, alternate))[:b]
+        top_c = heapq.nsmallest(b, sorted(cands), key=self._rank)  # sorted: ties break on ids
+        top_o = heapq.nsmallest(b, sorted(live - cands), key=self._rank)
+        half = b // 2
+        take_c = max(half, b - len(top_o))
+        chosen = top_c[:take_c]
+        return chosen + top_o[: b - len(chosen)]
 
     def pinged_at(self, node_ids: Iterable[str], now: float) -> None:
         for n in node_ids:
             self.pinged[n] = now
 
+    def answered(self, node_id: str) -> None:
+        self.answers[node_id] = self.answers.get(node_id, 0) + 1
+
     def forget(self, keep: Iterable[str]) -> None:
         """Drop what is known about nodes outside ``keep`` (gone from the registry)."""
         keep = set(keep)
-        for n in [n for n in self.pinged if n not in keep]:
-            del self.pinged[n]
+        for table in (self.pinged, self.answers):
+            for n in [n for n in table if n not in keep]:
+                del table[n]

@@ -172,7 +172,10 @@ def plan_indexed(
     def eligible(v: NodeView) -> bool:
         return dtype in v.caps.wire_dtypes and keep(v)
 
-    plans = [p for g in groups if isinstance(p := plan_group(g, params, eligible, req.policy != "public"), Plan)]
+    trusted_only = req.policy != "public"
+    plans = [
+        p for g in groups if isinstance(p := plan_group(g, params, eligible, trusted_only, chainable_only=True), Plan)
+    ]
     return _cheapest(plans) if plans else None
 
 
@@ -190,11 +193,14 @@ def plan_group(
     keep: Callable[[NodeView], bool] = _everyone,
     trusted_only: bool = False,
     others: Sequence[NodeView] = (),
+    chainable_only: bool = False,
 ) -> Plan | Rejection:
     """Plan within one numerics group (every node may share a route with every other).
 
     ``others``: the request's eligible nodes of other groups; when there are any, reasons say
     which group they are about, and a gap names the nodes of other groups that serve its layers.
+    ``chainable_only``: read only the ranges that can chain at all (a route is then found as
+    before, but a rejection's reasons would not name every gap: plan_route reads them all).
     """
     numerics = group.numerics
     n = numerics.n_layers_total
@@ -206,7 +212,7 @@ def plan_group(
     k = params.route_candidates
     lightest: dict[str, NodeView] = {}
     fast: dict[str, NodeView] = {}
-    for cls in group.classes.values():
+    for cls in group.chainable() if chainable_only else group.classes.values():
         top, top_fast = cls.best(k, keep, trusted_only, slow)
         lightest.update((v.node_id, v) for v in top)
         fast.update((v.node_id, v) for v in top_fast)

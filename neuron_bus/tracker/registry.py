@@ -11,7 +11,7 @@ route index (index.py), so route requests never scan the table.
 Cost, n nodes:
 - ``apply_heartbeat`` / ``apply_report`` / ``record_rtt``: O(1) here plus the index's O(log m);
   ``record_assignment``: the same per hop.
-- ``sweep`` (every 0.25 s): O(1 + what changed): nodes are kept in order of their last
+- ``expire`` (before every plan and report, and every 0.25 s): O(1 + what changed): nodes are kept in order of their last
   heartbeat, so only the ones past the expiry are looked at; dead nodes in order of death, for
   forgetting; assignments in time order, for the end of their window.
 - ``views`` (coverage map, rejection reasons): O(n log n).
@@ -20,9 +20,11 @@ Cost, n nodes:
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 
-from neuron_bus.messages import CapabilityReport, NodeHeartbeat, RouteAssignment
+from neuron_bus.messages import CapabilityReport, NodeHeartbeat, RouteAssignment, TrackedNode
+from neuron_bus.tracker.coverage import tracked_node
 from neuron_bus.tracker.index import RouteIndex
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.view import NodeView
@@ -38,6 +40,11 @@ class _Entry:
     rtts: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES))
     assigned: deque[float] = field(default_factory=deque)
     was_alive: bool = False
+    filed: NodeHeartbeat | None = None  # the heartbeat the route index last saw
+    view: NodeView | None = None  # the view filed then
+    tracked: TrackedNode | None = None  # its coverage-map entry (built when asked for)
+    slow_by: object = None  # the group references ``tracked.slow`` was judged against
+    node_id: str = ""  # set in snapshots
 
 
 RTT_SAMPLES = 4  # a round trip only ever gains from queueing on the way: the least of a few is the path's
@@ -52,6 +59,7 @@ class Registry:
         self._silent: OrderedDict[str, float] = OrderedDict()  # dead (or never heard) nodes -> since when
         self._assignments: deque[tuple[float, str]] = deque()  # (when, node id), oldest first
         self._joined: list[str] = []
+        self._expired: list[str] = []
 
     # -- updates ------------------------------------------------------------------------------
 
@@ -69,6 +77,7 @@ class Registry:
         entry = self._nodes.get(node_id)
         if entry is None:
             entry = self._nodes[node_id] = _Entry()
+        same = entry.was_alive and not entry.assigned and _same_state(entry.filed, hb)
         entry.heartbeat = hb
         entry.last_seen = now
         if not entry.was_alive:
@@ -77,7 +86,8 @@ class Registry:
             self._silent.pop(node_id, None)
         self._heard[node_id] = None
         self._heard.move_to_end(node_id)
-        self._refile(node_id, entry, now)
+        if not same:  # most heartbeats say nothing new to the index: liveness is read from last_seen
+            self._refile(node_id, entry, now)
 
     def record_rtt(self, node_id: str, rtt: float, now: float) -> None:
         entry = self._nodes.get(node_id)
@@ -107,7 +117,10 @@ class Registry:
             return
         if now is None:
             now = entry.last_seen if entry.last_seen is not None else 0.0
-        self.index.update(self._view(node_id, entry, now))
+        entry.filed = entry.heartbeat
+        entry.view = self._view(node_id, entry, now)
+        entry.tracked = None
+        self.index.update(entry.view)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -127,15 +140,21 @@ class Registry:
         return len(self._nodes)
 
     def sweep(self, now: float) -> tuple[list[str], list[str]]:
+        """``expire``, then (node ids that came alive, node ids that expired) since the last sweep."""
+        self.expire(now)
+        joined, self._joined = self._joined, []
+        expired, self._expired = self._expired, []
+        return sorted(joined), sorted(expired)
+
+    def expire(self, now: float) -> None:
         """Note liveness changes; forget nodes dead for ``forget_after``; end assignment windows.
+        O(1 + what changed): callers run it before reading the index, which is then exact.
 
         A report never followed by a heartbeat counts from when it arrived: the KV bucket keeps
         every node that ever announced itself, and a restarted tracker reads them all.
-
-        Returns (node ids that came alive, node ids that expired) since the last sweep.
         """
         p = self.params
-        expired = []
+        expired = self._expired
         while self._heard:
             node_id = next(iter(self._heard))
             entry = self._nodes[node_id]
@@ -160,25 +179,68 @@ class Registry:
                 while entry.assigned and now - entry.assigned[0] > p.assignment_window:
                     entry.assigned.popleft()
                 self._refile(node_id, entry, now)
-        joined, self._joined = self._joined, []
-        return sorted(joined), sorted(expired)
 
-    def view(self, node_id: str, now: float) -> NodeView | None:
-        entry = self._nodes.get(node_id)
-        return None if entry is None or entry.caps is None else self._view(node_id, entry, now)
+    def everyone(self, now: float) -> Iterator[tuple[NodeView, bool]]:
+        """(view as last filed, alive at ``now``) for every node with a report: O(n), no new views."""
+        expiry = self.params.expiry
+        for e in self._nodes.values():
+            if e.view is not None:
+                yield e.view, e.last_seen is not None and now - e.last_seen <= expiry
+
+    def tracked(
+        self, now: float, speeds: dict, flagged: Container[str], model_preset: str | None = None
+    ) -> list[TrackedNode]:
+        """The coverage map's node list, as of ``now``: each node's entry is built once per
+        change of the node and only its clock-dependent fields are set here (O(n), cheap)."""
+        out = []
+        for node_id, e in self._nodes.items():
+            v = e.view
+            if v is None or (model_preset is not None and v.caps.model_preset != model_preset):
+                continue
+            t = e.tracked
+            if t is None:
+                t = e.tracked = tracked_node(v, False)
+                e.slow_by = None
+            group_speed = speeds[v.numerics]
+            if e.slow_by is not group_speed:  # judged again when the node or its group's references change
+                t.slow = group_speed.is_slow(v, self.params)
+                e.slow_by = group_speed
+            alive = e.last_seen is not None and now - e.last_seen <= self.params.expiry
+            t.alive = alive
+            t.status = v.status if alive else "expired"
+            t.seconds_since_heartbeat = None if e.last_seen is None else round(now - e.last_seen, 3)
+            t.recently_assigned = self._pending_assignments(e, now)
+            t.flagged = node_id in flagged
+            out.append(t)
+        out.sort(key=lambda t: (t.model_preset, t.layer_start, t.node_id))
+        return out
 
     def views(self, now: float) -> list[NodeView]:
         """A snapshot of every node with a capability report, for the planner and coverage."""
-        return [self._view(i, e, now) for i, e in sorted(self._nodes.items()) if e.caps is not None]
+        return self.views_of(self.snapshot(), now)
+
+    def snapshot(self) -> list[_Entry]:
+        """The table copied in O(n) cheap steps (the records it holds are never mutated), so views
+        can be built from it off the event loop while the table goes on changing."""
+        return [
+            _Entry(e.caps, e.heartbeat, e.last_seen, rtt=e.rtt, assigned=deque(e.assigned), node_id=i)
+            for i, e in self._nodes.items()
+            if e.caps is not None
+        ]
+
+    def views_of(self, snapshot: list[_Entry], now: float) -> list[NodeView]:
+        """The views of a ``snapshot``, sorted by node id (pure: safe in another thread)."""
+        return [self._view(e.node_id, e, now) for e in sorted(snapshot, key=lambda e: e.node_id)]
 
     def _view(self, node_id: str, entry: _Entry, now: float) -> NodeView:
         hb = entry.heartbeat if _consistent(entry) else None
         caps = entry.caps
+        last_seen = entry.last_seen
         return NodeView(
             caps=caps,
-            alive=self.alive(node_id, now),
+            alive=last_seen is not None and now - last_seen <= self.params.expiry,
             status=hb.status if hb else "unknown",
-            seconds_since_heartbeat=None if entry.last_seen is None else now - entry.last_seen,
+            seconds_since_heartbeat=None if last_seen is None else now - last_seen,
             decode_tps=_measured(hb.decode_tokens_per_second if hb else 0.0, caps.decode_tokens_per_second),
             prefill_tps=_measured(hb.prefill_tokens_per_second if hb else 0.0, caps.prefill_tokens_per_second),
             sessions_active=hb.sessions_active if hb else 0,
@@ -200,6 +262,28 @@ class Registry:
             for t in entry.assigned
             if now - t <= self.params.assignment_window and (reported_before is None or t > reported_before)
         )
+
+
+TPS_NOISE = 0.01  # throughput changes within 1% (neighbour latencies: 10%) leave a node where it is in the index
+
+
+def _same_state(old: NodeHeartbeat | None, new: NodeHeartbeat) -> bool:
+    """Whether ``new`` tells the route index nothing ``old`` did not (liveness aside)."""
+    if old is None:
+        return False
+    return (
+        old.status == new.status
+        and old.sessions_active == new.sessions_active
+        and old.queue_depth == new.queue_depth
+        and old.route_failure_rate == new.route_failure_rate
+        and (old.layer_start, old.layer_end, old.cache_abi) == (new.layer_start, new.layer_end, new.cache_abi)
+        and abs(new.decode_tokens_per_second - old.decode_tokens_per_second) <= TPS_NOISE * old.decode_tokens_per_second
+        and old.neighbour_latency_ms.keys() == new.neighbour_latency_ms.keys()
+        and all(
+            abs(v - old.neighbour_latency_ms[k]) <= 0.1 * old.neighbour_latency_ms[k]
+            for k, v in new.neighbour_latency_ms.items()
+        )
+    )
 
 
 def _consistent(entry: _Entry) -> bool:

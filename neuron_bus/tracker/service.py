@@ -60,11 +60,12 @@ from neuron_bus.messages import (
     RouteRequest,
 )
 from neuron_bus.ping import ping_many
-from neuron_bus.tracker.coverage import coverage_report
+from neuron_bus.tracker.coverage import assemble, group_speeds
 from neuron_bus.tracker.latency import PingSampler
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.planner import Plan, Rejection, plan_indexed, plan_route, to_assignment, to_rejection
-from neuron_bus.tracker.registry import Registry
+from neuron_bus.tracker.registry import RTT_SAMPLES, Registry
+from neuron_bus.tracker.speed import GroupSpeed
 from neuron_bus.trust.sampler import TrackerTrust
 
 log = logging.getLogger("neuron_bus.tracker")
@@ -98,7 +99,7 @@ class TrackerService:
         self.params = params
         self.tracker_id = uuid.uuid4().hex[:12]
         self.registry = Registry(params)
-        self.pings = PingSampler(params.ping_budget)
+        self.pings = PingSampler(params.ping_budget, settled=RTT_SAMPLES)
         self._subs: list = []
         self._tasks: set[asyncio.Task] = set()
         self._fetching: set[str] = set()
@@ -106,7 +107,7 @@ class TrackerService:
         self._started_at: float | None = None
         self._ours: OrderedDict[str, float] = OrderedDict()  # route ids this tracker assigned -> when
         self._in_flight = asyncio.Semaphore(IN_FLIGHT)
-        self._coverage: tuple[float, float, str | None, messages.CoverageReport] | None = None
+        self._coverage: dict[tuple, tuple[float, float, bytes]] = {}  # request kind -> (built at, cost, report)
         self.placement: Lease | None = None
         self.trust = TrackerTrust(nc, params.audit_rate)  # replay sampling, audit flags
 
@@ -240,6 +241,9 @@ class TrackerService:
                 log.warning("node %s expired: no heartbeat for %.1fs", node_id, self.params.expiry)
             while self._ours and now - next(iter(self._ours.values())) > self.params.assignment_window:
                 self._ours.popitem(last=False)
+            for group in self.registry.index.stale_speeds():  # large groups: rebuilt off the event loop
+                members, t0 = list(group.members()), _mono()
+                group.adopt(await asyncio.to_thread(GroupSpeed, members), cost=_mono() - t0)
             await asyncio.sleep(SWEEP_INTERVAL)
 
     async def _ping_loop(self) -> None:
@@ -252,6 +256,7 @@ class TrackerService:
             for node_id, rtt in (await ping_many(self.nc, chosen, concurrency=PING_CONCURRENCY)).items():
                 if rtt is not None:  # no answer: the last measurement stands
                     self.registry.record_rtt(node_id, rtt, _mono())
+                    self.pings.answered(node_id)
             if len(self.pings.pinged) > 2 * len(self.registry) + 64:
                 self.pings.forget(self.registry.live_ids(_mono()))
             await asyncio.sleep(self.params.ping_interval)
@@ -262,6 +267,7 @@ class TrackerService:
         now = _mono()
         flagged = self.trust.flagged
         registry = self.registry
+        registry.expire(now)
 
         def keep(v) -> bool:
             return v.node_id not in flagged and registry.alive(v.node_id, now)
@@ -358,18 +364,34 @@ class TrackerService:
             self._in_flight.release()
 
     def _views(self) -> list:
-        """Every node's view, with the audit flags set: what rejection reasons and coverage see."""
+        """Every node's view, with the audit flags set: what rejection reasons see."""
         return self.trust.mark(self.registry.views(_mono()))
 
-    def coverage(self, model_preset: str | None = None) -> messages.CoverageReport:
-        """The coverage map; reused while it is younger than COVERAGE_REUSE times its build time."""
-        now = _mono()
-        cached = self._coverage
-        if cached is not None and cached[2] == model_preset and now - cached[0] <= COVERAGE_REUSE * cached[1]:
-            return cached[3]
-        report = coverage_report(self._views(), time.time(), self.params, model_preset)
-        self._coverage = (now, _mono() - now, model_preset, report)
-        return report
+    def coverage(self, req: CoverageRequest = CoverageRequest()) -> bytes:
+        """The encoded coverage map for ``req``, from the route index and the registry's cached
+        node entries (O(n) cheap steps, no view rebuilt); reused while it is younger than
+        COVERAGE_REUSE times its build time."""
+        key = (req.model_preset, req.nodes, req.replicas)
+        t0 = _mono()
+        cached = self._coverage.get(key)
+        if cached is not None and t0 - cached[0] <= COVERAGE_REUSE * cached[1]:
+            return cached[2]
+        registry, flagged = self.registry, self.trust.flagged
+        registry.expire(t0)
+        speeds = group_speeds(registry.index, {v.numerics for v, _ in registry.everyone(t0)})
+        report = assemble(
+            registry.index,
+            registry.everyone(t0),
+            lambda: registry.tracked(t0, speeds, flagged, req.model_preset),
+            time.time(),
+            self.params,
+            req.model_preset,
+            req.nodes,
+            req.replicas,
+        )
+        data = messages.encode(report)
+        self._coverage[key] = (t0, _mono() - t0, data)
+        return data
 
     async def _on_coverage(self, msg) -> None:
         try:
@@ -377,4 +399,14 @@ class TrackerService:
         except MalformedMessage as exc:
             await msg.respond(messages.encode(messages.ControlError(code="bad_json", message=str(exc))))
             return
-        await msg.respond(messages.encode(self.coverage(req.model_preset)))
+        data = self.coverage(req)
+        limit = self.nc.max_payload
+        if len(data) > limit:
+            data = messages.encode(
+                messages.ControlError(
+                    code="too_large",
+                    message=f"tracker: the coverage map is {len(data)} bytes, over the server's max payload of {limit}:"
+                    " ask for one model, or without the node list or replica ids (CoverageRequest nodes/replicas false)",
+                )
+            )
+        await msg.respond(data)

@@ -80,6 +80,7 @@ class GroupSpeed:
         rtts = [v.rtt for v in views if v.rtt is not None]
         self.references = References(median_low(per_layer) if per_layer else None, median_low(rtts) if rtts else None)
         self._allowed: dict[int, np.ndarray] = {}
+        self._member_reference: dict[int, float | None] = {}
         self.members = {v.node_id for v in views}
 
     def _sorted_allowed(self, k: int) -> np.ndarray:
@@ -91,10 +92,14 @@ class GroupSpeed:
 
     def reference_seconds_per_token(self, view: NodeView) -> float | None:
         """What a peer would take per token for a range of ``view``'s size (the module docstring)."""
-        allowed = self._sorted_allowed(view.n_layers)
+        k = view.n_layers
         own = measured_seconds_per_token(view)
-        if view.node_id in self.members or own is None or view.n_layers <= 0:
-            return float(allowed[(len(allowed) - 1) // 2]) if len(allowed) else None
+        if view.node_id in self.members or own is None or k <= 0:
+            if k not in self._member_reference:
+                allowed = self._sorted_allowed(k)
+                self._member_reference[k] = float(allowed[(len(allowed) - 1) // 2]) if len(allowed) else None
+            return self._member_reference[k]
+        allowed = self._sorted_allowed(k)
         # the view is not one of the peers: its own time (as is, same size) joins them
         j, p = len(allowed) // 2, int(np.searchsorted(allowed, own, side="right"))
         return float(allowed[j] if j < p else own if j == p else allowed[j - 1])
