@@ -70,6 +70,7 @@ class Lease:
         self._since = 0.0
         self._kv = None
         self._task: asyncio.Task | None = None
+        self._busy = asyncio.Lock()
 
     @property
     def held(self) -> bool:
@@ -102,6 +103,12 @@ class Lease:
 
     async def step(self) -> bool:
         """One attempt: renew the lease if we hold it, else try to take it. Returns ``held``."""
+        async with self._busy:  # one write at a time; stop() waits for it (the token must be ours)
+            return await self._step()
+
+    async def _step(self) -> bool:
+        if self._kv is None:
+            await self.open()
         was = self.held
         sent = self.clock()
         wall = time.time()
@@ -137,10 +144,14 @@ class Lease:
 
     async def stop(self) -> None:
         """Stop renewing and release the lease if we hold it."""
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        async with self._busy:  # not in the middle of a renewal: our token is the key's revision
+            if self._task:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+                self._task = None
+            await self._release()
+
+    async def _release(self) -> None:
         if self.token is not None and self.held:
             try:
                 await self._kv.delete(self.key, last=self.token)
