@@ -33,7 +33,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import nats.js.errors
+
 from neuron_bus import messages as M
+from neuron_bus import subjects as S
 from neuron_bus.sim import probe as P
 from neuron_bus.sim import swarm
 from neuron_bus.sim.procs import Proc, SimError, Usage, start_server, start_tracker, varz
@@ -104,6 +107,19 @@ async def _warm(nc, probe: P.Probe, opts: Options, ready_at: float) -> None:
     left = ready_at + warmup_seconds(opts) - time.time()
     if left > 0:
         await asyncio.sleep(left)
+
+
+async def _lost(nc, routes: list[M.RouteAssignment]) -> int:
+    """How many of ``routes`` are no longer recorded as assigned (KV neuron-routes)."""
+    kv = await nc.jetstream().key_value(S.KV_ROUTES)
+    lost = 0
+    for route in routes:
+        try:
+            stored = M.decode((await kv.get(route.route_id)).value, M.RouteAssignment)
+            lost += stored != route
+        except nats.js.errors.KeyNotFoundError:
+            lost += 1
+    return lost
 
 
 def _checks(results: list[P.RouteResult], truth: dict[str, swarm.SimNode], gone: dict, expiry: float) -> dict:
@@ -280,12 +296,15 @@ async def _simulate(opts: Options, workdir: Path) -> dict:
         }
         if killed:
             after = [r for r in probe.routes if r.sent >= killed["at"]]
+            before = [r.reply for r in probe.routes if r.sent < killed["at"] and isinstance(r.reply, M.RouteAssignment)]
             result["kill"] = {
                 "killed_at_s": opts.kill_tracker_at,
                 "requests_after": len(after),
                 "answered_after": sum(r.reply is not None for r in after),
                 "unanswered_after": sum(r.reply is None for r in after),
                 "answered_on_retry": sum(r.reply is not None and r.attempts > 1 for r in probe.routes),
+                "routes_before": len(before),
+                "routes_before_lost": await _lost(nc, before),
             }
 
         # throughput phase
