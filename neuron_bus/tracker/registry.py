@@ -20,7 +20,7 @@ Cost, n nodes:
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Container, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from neuron_bus.messages import CapabilityReport, NodeHeartbeat, RouteAssignment, TrackedNode
@@ -43,8 +43,6 @@ class _Entry:
     filed: NodeHeartbeat | None = None  # the heartbeat the route index last saw
     view: NodeView | None = None  # the view filed then
     tracked: TrackedNode | None = None  # its coverage-map entry (built when asked for)
-    slow_by: object = None  # the group references ``tracked.slow`` was judged against
-    node_id: str = ""  # set in snapshots
 
 
 RTT_SAMPLES = 4  # a round trip only ever gains from queueing on the way: the least of a few is the path's
@@ -60,6 +58,7 @@ class Registry:
         self._assignments: deque[tuple[float, str]] = deque()  # (when, node id), oldest first
         self._joined: list[str] = []
         self._expired: list[str] = []
+        self._order: list[tuple[str, int, str]] | None = None  # tracked_order's, None after a change
 
     # -- updates ------------------------------------------------------------------------------
 
@@ -118,6 +117,8 @@ class Registry:
         if now is None:
             now = entry.last_seen if entry.last_seen is not None else 0.0
         entry.filed = entry.heartbeat
+        if entry.view is None or entry.view.caps is not entry.caps:
+            self._order = None  # a new node, or a new report: its place in the map may move
         entry.view = self._view(node_id, entry, now)
         entry.tracked = None
         self.index.update(entry.view)
@@ -171,6 +172,7 @@ class Registry:
                 break
             del self._silent[node_id]
             self._nodes.pop(node_id, None)
+            self._order = None
             self.index.discard(node_id)
         while self._assignments and now - self._assignments[0][0] > p.assignment_window:
             when, node_id = self._assignments.popleft()
@@ -187,50 +189,46 @@ class Registry:
             if e.view is not None:
                 yield e.view, e.last_seen is not None and now - e.last_seen <= expiry
 
-    def tracked(
-        self, now: float, speeds: dict, flagged: Container[str], model_preset: str | None = None
-    ) -> list[TrackedNode]:
-        """The coverage map's node list, as of ``now``: each node's entry is built once per
-        change of the node and only its clock-dependent fields are set here (O(n), cheap)."""
+    def tracked_order(self, model_preset: str | None = None) -> list[str]:
+        """Node ids in the coverage map's order (model, first layer, id), kept between changes of
+        the set of nodes: O(n log n) after a change, O(n) (the model filter) otherwise."""
+        if self._order is None:
+            keyed = [(e.view.caps.model_preset, e.view.layer_start, i) for i, e in self._nodes.items() if e.view]
+            self._order = [k for k in sorted(keyed)]
+        return [i for m, _, i in self._order if model_preset is None or m == model_preset]
+
+    def tracked(self, node_ids: Iterable[str], now: float, speeds: dict, flagged: Container[str]) -> list[TrackedNode]:
+        """The coverage map's entries of ``node_ids`` as of ``now``: each entry is built once per
+        change of its node; only the fields that depend on the clock, the flags and the group's
+        references are set here (O(1) per node)."""
         out = []
-        for node_id, e in self._nodes.items():
+        expiry, slow_factor = self.params.expiry, self.params.slow_factor
+        for node_id in node_ids:
+            e = self._nodes.get(node_id)
+            if e is None or e.view is None:
+                continue  # forgotten since the order was taken
             v = e.view
-            if v is None or (model_preset is not None and v.caps.model_preset != model_preset):
-                continue
             t = e.tracked
             if t is None:
                 t = e.tracked = tracked_node(v, False)
-                e.slow_by = None
             group_speed = speeds[v.numerics]
-            if e.slow_by is not group_speed:  # judged again when the node or its group's references change
+            if node_id in group_speed.members:  # the usual case: one comparison with its size's threshold
+                threshold = group_speed.slow_threshold(v.n_layers, slow_factor)
+                t.slow = threshold is not None and v.decode_tps is not None and 1.0 / v.decode_tps > threshold
+            else:
                 t.slow = group_speed.is_slow(v, self.params)
-                e.slow_by = group_speed
-            alive = e.last_seen is not None and now - e.last_seen <= self.params.expiry
+            alive = e.last_seen is not None and now - e.last_seen <= expiry
             t.alive = alive
             t.status = v.status if alive else "expired"
             t.seconds_since_heartbeat = None if e.last_seen is None else round(now - e.last_seen, 3)
             t.recently_assigned = self._pending_assignments(e, now)
             t.flagged = node_id in flagged
             out.append(t)
-        out.sort(key=lambda t: (t.model_preset, t.layer_start, t.node_id))
         return out
 
     def views(self, now: float) -> list[NodeView]:
         """A snapshot of every node with a capability report, for the planner and coverage."""
-        return self.views_of(self.snapshot(), now)
-
-    def snapshot(self) -> list[_Entry]:
-        """The table copied in O(n) cheap steps (the records it holds are never mutated), so views
-        can be built from it off the event loop while the table goes on changing."""
-        return [
-            _Entry(e.caps, e.heartbeat, e.last_seen, rtt=e.rtt, assigned=deque(e.assigned), node_id=i)
-            for i, e in self._nodes.items()
-            if e.caps is not None
-        ]
-
-    def views_of(self, snapshot: list[_Entry], now: float) -> list[NodeView]:
-        """The views of a ``snapshot``, sorted by node id (pure: safe in another thread)."""
-        return [self._view(e.node_id, e, now) for e in sorted(snapshot, key=lambda e: e.node_id)]
+        return [self._view(i, e, now) for i, e in sorted(self._nodes.items()) if e.caps is not None]
 
     def _view(self, node_id: str, entry: _Entry, now: float) -> NodeView:
         hb = entry.heartbeat if _consistent(entry) else None

@@ -38,6 +38,7 @@ tracker does not create streams or buckets: ``neuron-bus server`` provisions the
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import logging
 import time
@@ -75,6 +76,8 @@ SWEEP_INTERVAL = 0.25
 REPORT_RETRY = 2.0
 IN_FLIGHT = 64  # route requests served at once
 COVERAGE_REUSE = 4.0  # a coverage report is reused for up to this many times its build time
+FULL_GC_INTERVAL = 120.0  # seconds between full collections once tune_gc ran
+COVERAGE_CHUNK = 2000  # node entries set between two turns of the event loop
 PLACEMENT_LEASE = "placement"
 YIELD_EVERY = 32  # heartbeats handled in a row before other callbacks get a turn
 PING_CONCURRENCY = 8  # pings in flight at once: answers queueing here would inflate every round trip
@@ -104,6 +107,7 @@ class TrackerService:
         self._tasks: set[asyncio.Task] = set()
         self._fetching: set[str] = set()
         self._beats = 0
+        self._full_gc_at: float | None = None  # tune_gc: when the next full collection runs
         self._started_at: float | None = None
         self._ours: OrderedDict[str, float] = OrderedDict()  # route ids this tracker assigned -> when
         self._in_flight = asyncio.Semaphore(IN_FLIGHT)
@@ -161,6 +165,17 @@ class TrackerService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+
+    def tune_gc(self) -> None:
+        """For a tracker process (the CLI calls it): Python's full collections walk every live
+        object (a 10,000-node table holds hundreds of thousands) and stop the event loop for
+        100-200 ms whenever survivors pile up, every few seconds under heartbeats. The young
+        generations stay as they are; what is alive now (modules, the table read from KV) is
+        frozen out of full collections, which run from the sweep loop every FULL_GC_INTERVAL."""
+        gen0, gen1, _ = gc.get_threshold()
+        gc.set_threshold(gen0, gen1, 1_000_000)  # the oldest generation: collected when asked
+        gc.freeze()
+        self._full_gc_at = _mono() + FULL_GC_INTERVAL
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -241,6 +256,9 @@ class TrackerService:
                 log.warning("node %s expired: no heartbeat for %.1fs", node_id, self.params.expiry)
             while self._ours and now - next(iter(self._ours.values())) > self.params.assignment_window:
                 self._ours.popitem(last=False)
+            if self._full_gc_at is not None and now >= self._full_gc_at:
+                gc.collect()
+                self._full_gc_at = now + FULL_GC_INTERVAL
             for group in self.registry.index.stale_speeds():  # large groups: rebuilt off the event loop
                 members, t0 = list(group.members()), _mono()
                 group.adopt(await asyncio.to_thread(GroupSpeed, members), cost=_mono() - t0)
@@ -367,10 +385,10 @@ class TrackerService:
         """Every node's view, with the audit flags set: what rejection reasons see."""
         return self.trust.mark(self.registry.views(_mono()))
 
-    def coverage(self, req: CoverageRequest = CoverageRequest()) -> bytes:
+    async def coverage(self, req: CoverageRequest = CoverageRequest()) -> bytes:
         """The encoded coverage map for ``req``, from the route index and the registry's cached
-        node entries (O(n) cheap steps, no view rebuilt); reused while it is younger than
-        COVERAGE_REUSE times its build time."""
+        node entries (no view is rebuilt); the node list is set in chunks, letting route requests
+        and heartbeats in between. Reused while younger than COVERAGE_REUSE times its build time."""
         key = (req.model_preset, req.nodes, req.replicas)
         t0 = _mono()
         cached = self._coverage.get(key)
@@ -379,10 +397,16 @@ class TrackerService:
         registry, flagged = self.registry, self.trust.flagged
         registry.expire(t0)
         speeds = group_speeds(registry.index, {v.numerics for v, _ in registry.everyone(t0)})
+        nodes: list = []
+        if req.nodes:
+            order = registry.tracked_order(req.model_preset)
+            for i in range(0, len(order), COVERAGE_CHUNK):
+                nodes += registry.tracked(order[i : i + COVERAGE_CHUNK], t0, speeds, flagged)
+                await asyncio.sleep(0)
         report = assemble(
             registry.index,
             registry.everyone(t0),
-            lambda: registry.tracked(t0, speeds, flagged, req.model_preset),
+            lambda: nodes,
             time.time(),
             self.params,
             req.model_preset,
@@ -399,7 +423,7 @@ class TrackerService:
         except MalformedMessage as exc:
             await msg.respond(messages.encode(messages.ControlError(code="bad_json", message=str(exc))))
             return
-        data = self.coverage(req)
+        data = await self.coverage(req)
         limit = self.nc.max_payload
         if len(data) > limit:
             data = messages.encode(

@@ -104,6 +104,16 @@ class GroupSpeed:
         j, p = len(allowed) // 2, int(np.searchsorted(allowed, own, side="right"))
         return float(allowed[j] if j < p else own if j == p else allowed[j - 1])
 
+    def slow_threshold(self, n_layers: int, slow_factor: float) -> float | None:
+        """Seconds per token beyond which a member of the group with ``n_layers`` is slow."""
+        reference = self._member_reference.get(n_layers)
+        if reference is None and n_layers not in self._member_reference:
+            allowed = self._sorted_allowed(n_layers)
+            reference = self._member_reference[n_layers] = (
+                float(allowed[(len(allowed) - 1) // 2]) if len(allowed) else None
+            )
+        return None if reference is None else slow_factor * reference
+
     def is_slow(self, view: NodeView, params: TrackerParams) -> bool:
         t = measured_seconds_per_token(view)
         if t is None:
