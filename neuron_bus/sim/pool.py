@@ -35,7 +35,7 @@ from neuron_bus.errors import MalformedMessage
 from neuron_bus.sim import swarm
 from neuron_bus.topology import connect
 
-TICK_S = 0.02
+TICK_S = 0.005
 ANNOUNCE_BATCH = 256
 
 
@@ -181,7 +181,7 @@ class Pool:
                 await self.nc.publish(S.node_heartbeat(node_id), M.encode(self.heartbeat(node, wall)))
                 self.last_beat[node_id] = wall
                 self.stats["heartbeats"] += 1
-                if self.stats["heartbeats"] % 64 == 0:
+                if self.stats["heartbeats"] % 16 == 0:
                     await asyncio.sleep(0)  # pongs due now go out on time
                 if node_id in self.draining:
                     self._gone(node)  # a leaving node: its draining heartbeat was its last

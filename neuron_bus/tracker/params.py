@@ -40,7 +40,7 @@ class TrackerParams:
     # How often the tracker pings nodes to measure round trips (0: never), and how many it pings
     # each time at most: route candidates first, then nodes never measured, then the longest unmeasured.
     ping_interval: float = 1.0
-    ping_budget: int = 200
+    ping_budget: int = 400
     # Replicas of each layer range the route search considers (the lightest ones, see planner.py).
     route_candidates: int = 3
     # Fraction of sessions (validation events) sent to the auditor for replay (trust/sampler.py).
