@@ -609,9 +609,16 @@ CoverageStatus = Literal["covered", "under-provisioned", "gap"]
 
 
 class CoverageRequest(Struct, tag_field="op", tag="coverage"):
-    """Ask the tracker for its coverage map (``neuron.tracker.coverage``, request/reply)."""
+    """Ask the tracker for its coverage map (``neuron.tracker.coverage``, request/reply).
+
+    A full map grows with the swarm (about 700 bytes per node at 80 layers: every node, and every
+    layer's replica ids); ``nodes`` and ``replicas`` false leave those lists empty. A map larger
+    than the server's max payload is answered with a ``ControlError`` (``too_large``) saying so.
+    """
 
     model_preset: str | None = None  # None: every model the tracker knows
+    nodes: bool = True  # CoverageReport.nodes: every node the tracker knows
+    replicas: bool = True  # LayerCoverage.replicas: the ids of every layer's replicas
 
 
 class LayerCoverage(Struct):

@@ -29,7 +29,7 @@ import msgspec
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import NeuronBusError, RouteError
-from neuron_bus.tracker.planner import TRUSTED_TIERS, hop_subject
+from neuron_bus.routes import TRUSTED_TIERS, hop_subject
 
 REPAIR_TIMEOUT_S = 20.0
 

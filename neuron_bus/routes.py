@@ -1,8 +1,20 @@
-"""Helpers over a route assignment shared by the client and the workers."""
+"""Helpers over a route assignment shared by the client, the workers and the tracker.
+
+The client (repair) needs these without loading the tracker: they live here, below both.
+"""
 
 from __future__ import annotations
 
 from neuron_bus import messages as M
+from neuron_bus import subjects as S
+
+# Trust tiers a route of policy ``private`` or ``paid-trusted`` may use (``public`` takes any).
+TRUSTED_TIERS = ("trusted", "paid-trusted")
+
+
+def hop_subject(route_id: str, index: int) -> str:
+    """The base subject of a hop; workers append ``.prefill`` / ``.decode`` (subjects.hop_input)."""
+    return f"{S.ROOT}.act.{S.check_token(route_id, 'route id')}.{int(index)}"
 
 
 def hop_header(

@@ -23,8 +23,11 @@ OBJ_ARTIFACTS = "neuron-artifacts"  # manifests and pieces
 OBJ_SNAPSHOTS = "neuron-snapshots"  # KV cache snapshots (may live on a separate server)
 KV_FLAGS = "neuron-flags"  # node_id -> NodeTrust (audit record; flagged nodes are not routed)
 KV_PLACEMENTS = "neuron-placements"  # node_id -> PlacementDecision its node has not announced yet (expires)
+KV_LEASES = "neuron-leases"  # lease name -> LeaseRecord (one holder at a time, entries expire: lease.py)
+LEASE_TTL_S = 10.0  # the leases bucket's max age: a holder that stops renewing loses its lease after this
 
 ROUTE_REQUEST = f"{ROOT}.route.request"  # request/reply to the tracker
+ROUTE_ASSIGN_ALL = f"{ROOT}.route.assign.>"  # every tracker follows every assignment (load)
 TRACKER_COVERAGE = f"{ROOT}.tracker.coverage"  # request/reply: CoverageRequest -> CoverageReport
 TRACKER_PLACE = f"{ROOT}.tracker.place"  # request/reply: PlacementRequest -> PlacementDecision | PlacementRejection
 PLACEMENT_DECISIONS = f"{ROOT}.placement.decisions"  # every PlacementDecision, for operators

@@ -155,6 +155,14 @@ def topology(replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) ->
             replicas=r,
         ),
         KeyValueConfig(
+            bucket=S.KV_LEASES,
+            description="lease name -> holder; entries expire: a holder that stops renewing loses the lease",
+            history=1,
+            ttl=S.LEASE_TTL_S,
+            storage=StorageType.FILE,
+            replicas=r,
+        ),
+        KeyValueConfig(
             bucket=S.KV_ROUTES,
             description="route_id -> RouteAssignment",
             history=1,

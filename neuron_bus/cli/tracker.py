@@ -33,6 +33,7 @@ async def _serve(url: str, params: TrackerParams) -> None:
     service = TrackerService(nc, params)
     try:
         await service.start()
+        service.tune_gc()
         typer.echo(f"tracker ready on {url} (heartbeat expiry {params.expiry:g}s)")
         await stop.wait()
     finally:

@@ -13,45 +13,125 @@ The rebalancing hint names the half-open range a joining node should take: the l
 any, else the under-provisioned run with the least capacity, else the run with the least
 capacity; widened to boundaries where routes can actually join it (a chain from layer 0 ends at
 its start, and a chain to the last layer starts at its end), so the new node is routable.
+
+Cost, n nodes in r ranges over L layers: O(n log n + r log r + L + output). Nodes are grouped by
+range once; layers served by the same ranges (runs between range boundaries) share one row
+computation and one sorted replica list; stragglers are judged against per-size references
+(speed.GroupSpeed, O(log m) each). It was O(n^2) (every node against every peer) plus O(L n).
+The output itself is O(n + L x replicas per layer): the tracker builds it off its event loop
+(service.py) and asks can leave the lists out (CoverageRequest.nodes, .replicas).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import msgspec
 
 from neuron_bus.artifacts import cuts
 from neuron_bus.messages import CoverageReport, CoverageStatus, LayerCoverage, ModelCoverage, RebalanceHint, TrackedNode
 from neuron_bus.tracker import layers, speed
+from neuron_bus.tracker.index import GroupIndex, RangeClass, RouteIndex
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.view import NodeView, Numerics
 
 
 def coverage_report(
-    views: Sequence[NodeView], now: float, params: TrackerParams = TrackerParams(), model_preset: str | None = None
+    views: Sequence[NodeView],
+    now: float,
+    params: TrackerParams = TrackerParams(),
+    model_preset: str | None = None,
+    nodes: bool = True,
+    replicas: bool = True,
 ) -> CoverageReport:
+    """The map of ``views`` (``nodes``/``replicas`` false: without the node list / replica ids)."""
     chosen = [v for v in views if model_preset is None or v.caps.model_preset == model_preset]
-    groups: dict[Numerics, list[NodeView]] = defaultdict(list)
-    for v in chosen:
-        groups[v.numerics].append(v)
+    index = RouteIndex.of(chosen, params)
+    speeds = group_speeds(index, {v.numerics for v in chosen})
+    return assemble(
+        index,
+        [(v, v.alive) for v in chosen],
+        lambda: tracked_nodes(chosen, speeds, params),
+        now,
+        params,
+        model_preset,
+        nodes,
+        replicas,
+    )
+
+
+def group_speeds(index: RouteIndex, numerics: Iterable[Numerics]) -> dict[Numerics, speed.GroupSpeed]:
+    """Every group's straggler references (a group without usable nodes has none)."""
+    empty = None
+    out = {}
+    for k in numerics:
+        group = index.groups.get(k)
+        if group is not None:
+            out[k] = group.speed()
+        else:
+            out[k] = empty = empty or speed.GroupSpeed([])
+    return out
+
+
+def assemble(
+    index: RouteIndex,
+    everyone: Iterable[tuple[NodeView, bool]],
+    tracked: Callable[[], list[TrackedNode]],
+    now: float,
+    params: TrackerParams,
+    model_preset: str | None,
+    nodes: bool,
+    replicas: bool,
+) -> CoverageReport:
+    """The report from the index (usable nodes, by group and range), every node known with
+    whether it is alive, and the node list (built only if ``nodes``)."""
+    live: dict[Numerics, list[str]] = defaultdict(list)
+    dead: dict[Numerics, list[str]] = defaultdict(list)
+    kinds: dict[Numerics, list[str]] = {}
+    for v, alive in everyone:
+        if model_preset is not None and v.caps.model_preset != model_preset:
+            continue
+        k = v.numerics
+        (live if alive else dead)[k].append(v.node_id)
+        if k not in kinds or (not kinds[k] and v.caps.layer_kinds):
+            kinds[k] = list(v.caps.layer_kinds)
     return CoverageReport(
         generated_at=now,
         expiry_seconds=params.expiry,
         min_replicas=params.min_replicas,
         min_capacity_tokens_per_second=params.min_capacity_tokens_per_second,
         slow_factor=params.slow_factor,
-        models=[model_coverage(numerics, groups[numerics], params) for numerics in sorted(groups)],
-        nodes=tracked_nodes(chosen, params),
+        models=[
+            model_coverage(k, index.groups.get(k), sorted(live[k]), sorted(dead[k]), kinds[k], params, replicas)
+            for k in sorted(kinds)
+        ],
+        nodes=tracked() if nodes else [],
     )
 
 
-def model_coverage(numerics: Numerics, nodes: Sequence[NodeView], params: TrackerParams) -> ModelCoverage:
+def model_coverage(
+    numerics: Numerics,
+    group: GroupIndex | None,
+    nodes_live: list[str],
+    nodes_expired: list[str],
+    kinds: list[str],
+    params: TrackerParams,
+    replicas: bool = True,
+) -> ModelCoverage:
     n = numerics.n_layers_total
-    usable = [v for v in nodes if v.usable]
-    slow = speed.slow_nodes(usable, params)
+    classes = dict(group.classes) if group is not None else {}
+    sums = {r: _RangeSums.of(c, group.speed(), params) for r, c in classes.items()}
     layer_rows = [
-        layer_coverage(i, [v for v in usable if v.layer_start <= i < v.layer_end], slow, params) for i in range(n)
+        row
+        for a, b, serving in segments(classes, n)
+        for row in layer_coverage(a, serving, [sums[(c.start, c.end)] for c in serving], params, rows=b - a)
     ]
+    hint = rebalance_hint(layer_rows, list(classes), n, kinds)
+    if not replicas:
+        layer_rows = [msgspec.structs.replace(row, replicas=[]) for row in layer_rows]
     return ModelCoverage(
         model_preset=numerics.model_preset,
         model_revision=numerics.model_revision,
@@ -59,30 +139,67 @@ def model_coverage(numerics: Numerics, nodes: Sequence[NodeView], params: Tracke
         cache_abi=numerics.cache_abi,
         n_layers_total=n,
         layers=layer_rows,
-        nodes_live=sorted(v.node_id for v in nodes if v.alive),
-        nodes_expired=sorted(v.node_id for v in nodes if not v.alive),
-        hint=rebalance_hint(layer_rows, [(v.layer_start, v.layer_end) for v in usable], n, model_layer_kinds(nodes)),
+        nodes_live=nodes_live,
+        nodes_expired=nodes_expired,
+        hint=hint,
     )
 
 
-def layer_coverage(layer: int, replicas: Sequence[NodeView], slow: set[str], params: TrackerParams) -> LayerCoverage:
-    capacity = sum(v.decode_tps or 0.0 for v in replicas)
+def segments(classes: dict[tuple[int, int], RangeClass], n: int):
+    """Maximal runs [a, b) of layers served by the same ranges, with those ranges:
+    O(r log r) for r ranges, plus r per run."""
+    cuts = sorted({0, n, *(x for r in classes for x in r if 0 <= x <= n)})
+    for a, b in zip(cuts, cuts[1:]):
+        yield a, b, [c for (s, e), c in classes.items() if s <= a and b <= e]
+
+
+@dataclass(frozen=True)
+class _RangeSums:
+    """What a layer row needs of one range's replicas, summed once per report."""
+
+    replicas: int
+    capacity: float
+    slow: int
+    unmeasured: int
+
+    @classmethod
+    def of(cls, c: RangeClass, group_speed: speed.GroupSpeed, params: TrackerParams) -> _RangeSums:
+        views = [e.view for e in c.nodes.values()]
+        return cls(
+            replicas=len(views),
+            capacity=sum(v.decode_tps or 0.0 for v in views),
+            slow=sum(group_speed.is_slow(v, params) for v in views),
+            unmeasured=sum(not v.decode_tps for v in views),
+        )
+
+
+def layer_coverage(
+    layer: int, serving: Sequence[RangeClass], sums: Sequence[_RangeSums], params: TrackerParams, rows: int = 1
+) -> list[LayerCoverage]:
+    """The rows of ``rows`` consecutive layers from ``layer`` that the ranges ``serving`` all
+    cover (one list of replica ids, merged from the ranges' sorted ids, shared by every row)."""
+    replicas = sum(x.replicas for x in sums)
+    capacity = sum(x.capacity for x in sums)
     reasons = []
-    if replicas and len(replicas) < params.min_replicas:
-        reasons.append("single replica" if len(replicas) == 1 else f"{len(replicas)} replicas < {params.min_replicas}")
-    if replicas and all(v.node_id in slow for v in replicas):
+    if replicas and replicas < params.min_replicas:
+        reasons.append("single replica" if replicas == 1 else f"{replicas} replicas < {params.min_replicas}")
+    if replicas and all(x.slow == x.replicas for x in sums):
         reasons.append(f"only slow replicas (>{params.slow_factor:g}x the group's time per token for as many layers)")
-    measured = all(v.decode_tps for v in replicas)
+    measured = not any(x.unmeasured for x in sums)
     if replicas and measured and capacity < params.min_capacity_tokens_per_second:
         reasons.append(f"capacity {capacity:.1f} tok/s < {params.min_capacity_tokens_per_second:g}")
     status: CoverageStatus = "gap" if not replicas else "under-provisioned" if reasons else "covered"
-    return LayerCoverage(
-        layer=layer,
-        status=status,
-        replicas=sorted(v.node_id for v in replicas),
-        capacity_tokens_per_second=round(capacity, 3),
-        reasons=reasons,
-    )
+    listed = sorted(chain.from_iterable(c.sorted_ids() for c in serving))  # sorted runs: a merge
+    return [
+        LayerCoverage(
+            layer=i,
+            status=status,
+            replicas=listed,
+            capacity_tokens_per_second=round(capacity, 3),
+            reasons=reasons,
+        )
+        for i in range(layer, layer + rows)
+    ]
 
 
 def spans(rows: Sequence[LayerCoverage]) -> list[tuple[int, int, LayerCoverage]]:
@@ -99,11 +216,6 @@ def spans(rows: Sequence[LayerCoverage]) -> list[tuple[int, int, LayerCoverage]]
 
 def _signature(row: LayerCoverage):
     return (row.status, tuple(row.replicas), tuple(row.reasons), row.capacity_tokens_per_second)
-
-
-def model_layer_kinds(nodes: Sequence[NodeView]) -> list[str]:
-    """The model's per-layer kinds, as its nodes report them ([] when none does)."""
-    return next((list(v.caps.layer_kinds) for v in nodes if v.caps.layer_kinds), [])
 
 
 def rebalance_hint(
@@ -138,32 +250,34 @@ def rebalance_hint(
     return RebalanceHint(layer_start=start, layer_end=end, reason=why)
 
 
-def tracked_nodes(views: Sequence[NodeView], params: TrackerParams) -> list[TrackedNode]:
-    groups: dict[Numerics, list[NodeView]] = defaultdict(list)
-    for v in views:
-        groups[v.numerics].append(v)
-    peers = {k: [v for v in vs if v.usable] for k, vs in groups.items()}
+def tracked_nodes(
+    views: Sequence[NodeView], speeds: dict[Numerics, speed.GroupSpeed], params: TrackerParams
+) -> list[TrackedNode]:
     return [
-        TrackedNode(
-            node_id=v.node_id,
-            model_preset=v.caps.model_preset,
-            layer_start=v.layer_start,
-            layer_end=v.layer_end,
-            backend_id=v.caps.backend_id,
-            cache_abi=v.caps.cache_abi,
-            alive=v.alive,
-            status=v.status if v.alive else "expired",
-            seconds_since_heartbeat=None if v.seconds_since_heartbeat is None else round(v.seconds_since_heartbeat, 3),
-            decode_tokens_per_second=v.decode_tps,
-            prefill_tokens_per_second=v.prefill_tps,
-            sessions_active=v.sessions_active,
-            recently_assigned=v.recently_assigned,
-            queue_depth=v.queue_depth,
-            route_failure_rate=v.failure_rate,
-            rtt_ms=None if v.rtt is None else round(v.rtt * 1000, 3),
-            slow=speed.is_slow(v, peers[v.numerics], params),
-            trust_tier=v.caps.trust_tier,
-            flagged=v.flagged,
-        )
+        tracked_node(v, speeds[v.numerics].is_slow(v, params))
         for v in sorted(views, key=lambda v: (v.caps.model_preset, v.layer_start, v.node_id))
     ]
+
+
+def tracked_node(v: NodeView, slow: bool) -> TrackedNode:
+    return TrackedNode(
+        node_id=v.node_id,
+        model_preset=v.caps.model_preset,
+        layer_start=v.layer_start,
+        layer_end=v.layer_end,
+        backend_id=v.caps.backend_id,
+        cache_abi=v.caps.cache_abi,
+        alive=v.alive,
+        status=v.status if v.alive else "expired",
+        seconds_since_heartbeat=None if v.seconds_since_heartbeat is None else round(v.seconds_since_heartbeat, 3),
+        decode_tokens_per_second=v.decode_tps,
+        prefill_tokens_per_second=v.prefill_tps,
+        sessions_active=v.sessions_active,
+        recently_assigned=v.recently_assigned,
+        queue_depth=v.queue_depth,
+        route_failure_rate=v.failure_rate,
+        rtt_ms=None if v.rtt is None else round(v.rtt * 1000, 3),
+        slow=slow,
+        trust_tier=v.caps.trust_tier,
+        flagged=v.flagged,
+    )

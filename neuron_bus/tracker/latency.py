@@ -1,35 +1,57 @@
-"""Round trips from the tracker to nodes, measured with a Ping on each node's control subject."""
+"""Which nodes the tracker pings: a bounded sample per round, route candidates first.
+
+A round trip measured through queues only ever comes out too long, so the tracker keeps the
+least of a node's last few (registry.RTT_SAMPLES) and pings the nodes whose figure is least
+settled first. A round (every ``ping_interval``) pings at most ``ping_budget`` nodes: half the
+budget for route candidates (the lightest replicas of every range: the nodes routes are about to
+use), half for the rest of the swarm, each half ordered by (answers so far, capped at
+``settled``; then the longest since pinged). A share one side does not use goes to the other.
+So a node that could win routes is measured within a round of joining and its figure settles
+within a few, and the rest of a large swarm is measured, then re-measured, a budget at a time.
+
+Cost per round: O(n + b log n) for n live nodes and a budget of b pings, i.e. amortised O(1)
+per node per round; the pings themselves are bounded by the budget, whatever n is.
+Pure: the round trips themselves go through neuron_bus/ping.py (service.py).
+"""
 
 from __future__ import annotations
 
-import asyncio
-import time
+import heapq
 from collections.abc import Iterable
 
-import nats
-import nats.errors
 
-from neuron_bus import messages
-from neuron_bus import subjects as S
-from neuron_bus.errors import MalformedMessage
+class PingSampler:
+    def __init__(self, budget: int, settled: int = 4):
+        self.budget = budget
+        self.settled = settled
+        self.pinged: dict[str, float] = {}  # node id -> when it was last pinged (answered or not)
+        self.answers: dict[str, int] = {}  # node id -> pings it answered
 
+    def _rank(self, node_id: str) -> tuple[int, float]:
+        return (min(self.answers.get(node_id, 0), self.settled), self.pinged.get(node_id, float("-inf")))
 
-async def ping(nc: nats.NATS, node_id: str, timeout: float = 1.0) -> float | None:
-    """Seconds for a Ping to ``node_id`` and its Pong back, or None without a valid answer."""
-    t0 = time.perf_counter()
-    try:
-        msg = await nc.request(
-            S.node_control(node_id), messages.encode(messages.Ping(sent_at=time.time())), timeout=timeout
-        )
-        reply = messages.decode(msg.data, messages.ControlReply)
-    except (TimeoutError, nats.errors.Error, MalformedMessage):
-        return None
-    if not isinstance(reply, messages.Pong) or reply.node_id != node_id:
-        return None
-    return time.perf_counter() - t0
+    def choose(self, live: Iterable[str], candidates: Iterable[str]) -> list[str]:
+        """The nodes to ping this round (see the module docstring)."""
+        live = set(live)
+        cands = {c for c in candidates if c in live}
+        b = self.budget
+        top_c = heapq.nsmallest(b, sorted(cands), key=self._rank)  # sorted: ties break on ids
+        top_o = heapq.nsmallest(b, sorted(live - cands), key=self._rank)
+        half = b // 2
+        take_c = max(half, b - len(top_o))
+        chosen = top_c[:take_c]
+        return chosen + top_o[: b - len(chosen)]
 
+    def pinged_at(self, node_ids: Iterable[str], now: float) -> None:
+        for n in node_ids:
+            self.pinged[n] = now
 
-async def ping_all(nc: nats.NATS, node_ids: Iterable[str], timeout: float = 1.0) -> dict[str, float | None]:
-    ids = list(node_ids)
-    results = await asyncio.gather(*(ping(nc, n, timeout) for n in ids))
-    return dict(zip(ids, results))
+    def answered(self, node_id: str) -> None:
+        self.answers[node_id] = self.answers.get(node_id, 0) + 1
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop what is known about nodes outside ``keep`` (gone from the registry)."""
+        keep = set(keep)
+        for table in (self.pinged, self.answers):
+            for n in [n for n in table if n not in keep]:
+                del table[n]

@@ -24,12 +24,14 @@ class TrackerParams:
     # A node is slow when its seconds per token exceed this factor times its reference: the lower
     # median of what the group's measured nodes take per token for as many layers (speed.py).
     slow_factor: float = 3.0
-    # Routes assigned within this window count as load on their nodes until heartbeats report
-    # the sessions themselves: an assignment stops counting once a heartbeat arrives
-    # ``assignment_grace`` seconds after it (a session opened on it is in that heartbeat's count;
-    # a route nobody opened, e.g. a readiness probe or a client that gave up, weighs no longer).
+    # Routes assigned within this window count as load on their nodes, on top of the sessions
+    # their heartbeats report, until heartbeats report the sessions themselves: an assignment
+    # stops counting once a heartbeat arrives ``assignment_grace`` seconds after it (a session
+    # opened on it is in that heartbeat's count; a route nobody opened, e.g. a readiness probe or
+    # a client that gave up, weighs no longer). Added, not the larger of the two: a node with
+    # sessions would otherwise look no busier for a second of new routes, and draw them all.
     assignment_window: float = 30.0
-    assignment_grace: float = 3.0
+    assignment_grace: float = 1.0
     # Coverage: a layer with fewer live replicas than this is under-provisioned.
     min_replicas: int = 2
     # Coverage: a layer whose measured capacity (sum of decode tok/s) is below this is
@@ -37,7 +39,11 @@ class TrackerParams:
     min_capacity_tokens_per_second: float = 2.0
     # After a (re)start, a request that cannot be routed yet waits this long for heartbeats.
     warmup: float = 1.5
-    # How often the tracker pings live nodes to measure round trips (0: never).
-    ping_interval: float = 5.0
+    # How often the tracker pings nodes to measure round trips (0: never), and how many it pings
+    # each time at most: route candidates first, then nodes never measured, then the longest unmeasured.
+    ping_interval: float = 1.0
+    ping_budget: int = 400
+    # Replicas of each layer range the route search considers (the lightest ones, see planner.py).
+    route_candidates: int = 3
     # Fraction of sessions (validation events) sent to the auditor for replay (trust/sampler.py).
     audit_rate: float = 0.1

@@ -1,31 +1,44 @@
-"""Route planning: pure functions from a route request and node views to a plan or reasons.
+"""Route planning: from a route request and the usable nodes to a plan, or every reason there is none.
 
 A route is a ring: hop 0 .. hop k-1 run contiguous layer ranges covering [0, n) exactly once,
 and in decode the tail sends the sampled token back to hop 0. The expected time per token of a
 route is the sum of its hops' expected seconds per token (measured speed stretched by load and
-failures, see speed.py) plus every seam's latency, the tail-to-head seam included. The planner
-minimises it with a shortest path over layer boundaries (a DAG: every range moves forward), run
-once per candidate head so the ring-closing seam is exact.
+failures, see speed.py) plus every seam's latency, the tail-to-head seam included. ring.py finds
+the cheapest one: a shortest path over layer boundaries.
 
 Nodes that may not share a route with others are split first into numerics groups (model,
 revision, backend, cache ABI, layer count); each group is planned on its own and the cheapest
-complete route wins. Within a group, slow nodes (speed.is_slow) are left out whenever the rest
-still chains from 0 to n; only when they are needed are they used.
+complete route wins. Within a group, slow nodes (speed.py) are left out whenever the rest still
+chains from 0 to n; only when they are needed are they used.
+
+Only a few replicas of each layer range can be on the cheapest route: the search runs over the
+``route_candidates`` lightest replicas of every range (index.py: ring weight order), not over the
+group. That is exact when no more replicas than that serve a range, or when the seams of the
+replicas left out are not measured pairwise (their order then cannot change); otherwise a
+lighter replica's measured seam could be missed (the simulator measures what it costs).
+
+Two entry points, one search:
+- ``plan_indexed`` (the tracker): over the live index. Per request O(c (k + s) log m) to read
+  the candidates (c ranges of m replicas, k candidates each, s skipped), then ring.py's
+  O((1 + h) (ck log ck + e)); independent of the number of nodes beyond the log. It returns None
+  when it finds no route; the tracker then asks ``plan_route`` why.
+- ``plan_route`` (pure, any node views): the request's filters over every node, each with its
+  reason, then the same search over a throwaway index: O(n log n). The path of rejections and of
+  the tests.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from neuron_bus import subjects as S
 from neuron_bus.messages import RouteAssignment, RouteHop, RouteRejection, RouteRequest
-from neuron_bus.tracker import layers, speed
+from neuron_bus.routes import TRUSTED_TIERS, hop_subject
+from neuron_bus.tracker import layers
+from neuron_bus.tracker.index import GroupIndex, RouteIndex
 from neuron_bus.tracker.params import TrackerParams
+from neuron_bus.tracker.ring import cheapest_ring
 from neuron_bus.tracker.view import NodeView, Numerics
-
-TRUSTED_TIERS = ("trusted", "paid-trusted")
 
 
 @dataclass(frozen=True)
@@ -126,33 +139,85 @@ def plan_route(
             return Rejection((f.reason(live),))
         live = kept
 
-    groups: dict[Numerics, list[NodeView]] = defaultdict(list)
-    for v in live:
-        groups[v.numerics].append(v)
+    index = RouteIndex.of(live, params)
     plans: list[Plan] = []
     reasons: list[str] = []
-    for numerics in sorted(groups):
-        others = [v for v in live if v.numerics != numerics]
-        result = plan_group(groups[numerics], numerics, params, others)
+    for group in index.groups_of(m):
+        others = [v for v in live if v.numerics != group.numerics]
+        result = plan_group(group, params, others=others)
         if isinstance(result, Plan):
             plans.append(result)
         else:
             reasons += result.reasons
     if plans:
-        return min(plans, key=lambda p: (p.seconds_per_token, [h.node_id for h in p.hops]))
+        return _cheapest(plans)
     return Rejection(tuple(reasons))
 
 
+def plan_indexed(
+    req: RouteRequest, index: RouteIndex, params: TrackerParams, keep: Callable[[NodeView], bool]
+) -> Plan | None:
+    """The cheapest route over the live index, or None (then ``plan_route`` says why).
+
+    ``keep``: the caller's test of a node for this request (alive now, not flagged); the
+    request's pins pick the groups, its policy the trust tiers, its wire dtype the nodes.
+    """
+    pins = (req.model_revision, req.backend_id, req.cache_abi)
+    groups = [
+        g
+        for g in index.groups_of(req.model_preset)
+        if all(want is None or want == got for want, got in zip(pins, (g.numerics[1], g.numerics[2], g.numerics[3])))
+    ]
+    dtype = req.wire_dtype
+
+    def eligible(v: NodeView) -> bool:
+        return dtype in v.caps.wire_dtypes and keep(v)
+
+    trusted_only = req.policy != "public"
+    plans = [
+        p for g in groups if isinstance(p := plan_group(g, params, eligible, trusted_only, chainable_only=True), Plan)
+    ]
+    return _cheapest(plans) if plans else None
+
+
+def _cheapest(plans: Sequence[Plan]) -> Plan:
+    return min(plans, key=lambda p: (p.seconds_per_token, [h.node_id for h in p.hops]))
+
+
+def _everyone(view: NodeView) -> bool:
+    return True
+
+
 def plan_group(
-    nodes: Sequence[NodeView], numerics: Numerics, params: TrackerParams, others: Sequence[NodeView] = ()
+    group: GroupIndex,
+    params: TrackerParams,
+    keep: Callable[[NodeView], bool] = _everyone,
+    trusted_only: bool = False,
+    others: Sequence[NodeView] = (),
+    chainable_only: bool = False,
 ) -> Plan | Rejection:
     """Plan within one numerics group (every node may share a route with every other).
 
     ``others``: the request's eligible nodes of other groups; when there are any, reasons say
     which group they are about, and a gap names the nodes of other groups that serve its layers.
+    ``chainable_only``: read only the ranges that can chain at all (a route is then found as
+    before, but a rejection's reasons would not name every gap: plan_route reads them all).
     """
+    numerics = group.numerics
     n = numerics.n_layers_total
-    ranges = [(v.layer_start, v.layer_end) for v in nodes]
+    group_speed = group.speed()
+
+    def slow(v: NodeView) -> bool:
+        return group_speed.is_slow(v, params)
+
+    k = params.route_candidates
+    lightest: dict[str, NodeView] = {}
+    fast: dict[str, NodeView] = {}
+    for cls in group.chainable() if chainable_only else group.classes.values():
+        top, top_fast = cls.best(k, keep, trusted_only, slow)
+        lightest.update((v.node_id, v) for v in top)
+        fast.update((v.node_id, v) for v in top_fast)
+    ranges = {(v.layer_start, v.layer_end) for v in lightest.values()}
     gaps = layers.uncovered_runs(ranges, n)
     qualifier = (
         f" among nodes with cache ABI {numerics.cache_abi} (backend {numerics.backend_id}, revision {numerics.model_revision})"
@@ -166,13 +231,13 @@ def plan_group(
                 for a, b in gaps
             )
         )
-    reference = speed.reference_seconds_per_layer(nodes)
-    slow = speed.slow_nodes(nodes, params)
+    refs = group_speed.references
+    everyone = {**lightest, **fast}
     best = None
-    if slow:
-        best = cheapest_ring([v for v in nodes if v.node_id not in slow], n, reference, params)
+    if len(fast) < len(everyone):  # stragglers among the candidates: first try without them
+        best = cheapest_ring(list(fast.values()), n, refs, params)
     if best is None:
-        best = cheapest_ring(nodes, n, reference, params)
+        best = cheapest_ring(list(everyone.values()), n, refs, params)
     if best is None:
         reach = layers.reachable_from_start(ranges)
         stuck = sorted(b for b in reach if b < n)
@@ -183,7 +248,7 @@ def plan_group(
             )
         )
     cost, hops = best
-    return Plan(hops, cost, numerics, tuple(h.node_id for h in hops if h.node_id in slow))
+    return Plan(hops, cost, numerics, tuple(h.node_id for h in hops if slow(h)))
 
 
 def _served_elsewhere(a: int, b: int, numerics: Numerics, others: Sequence[NodeView]) -> str:
@@ -205,51 +270,7 @@ def _difference(mine: Numerics, theirs: Numerics) -> str:
     return ", ".join(f"{label} {x}" for label, x, y in zip(labels, mine, theirs) if x != y)
 
 
-def cheapest_ring(
-    nodes: Sequence[NodeView], n: int, reference: float | None, params: TrackerParams
-) -> tuple[float, tuple[NodeView, ...]] | None:
-    """Minimum expected seconds per token over chains 0 -> n, the tail->head seam included.
-
-    Shortest path on a DAG: nodes sorted by layer_start; each node's best chain ends with the
-    cheapest predecessor ending where it starts. Ties break on node ids (deterministic).
-    """
-    cost = {v.node_id: speed.expected_seconds_per_token(v, reference, params) for v in nodes}
-    ordered = sorted(nodes, key=lambda v: (v.layer_start, v.node_id))
-    ends_at: dict[int, list[NodeView]] = defaultdict(list)
-    for v in ordered:
-        ends_at[v.layer_end].append(v)
-    best = None
-    for head in (v for v in ordered if v.layer_start == 0):
-        chain: dict[str, tuple[float, tuple[NodeView, ...]]] = {head.node_id: (cost[head.node_id], (head,))}
-        for v in ordered:
-            if v.layer_start == 0:
-                continue
-            options = [
-                (chain[u.node_id][0] + speed.seam_latency(u, v, params) + cost[v.node_id], chain[u.node_id][1] + (v,))
-                for u in ends_at[v.layer_start]
-                if u.node_id in chain
-            ]
-            if options:
-                chain[v.node_id] = min(options, key=_key)
-        for tail in ends_at[n]:
-            if tail.node_id in chain:
-                total, hops = chain[tail.node_id]
-                candidate = (total + speed.seam_latency(tail, head, params), hops)
-                if best is None or _key(candidate) < _key(best):
-                    best = candidate
-    return best
-
-
-def _key(option: tuple[float, tuple[NodeView, ...]]):
-    return (round(option[0], 12), [h.node_id for h in option[1]])
-
-
 # -- messages ---------------------------------------------------------------------------------
-
-
-def hop_subject(route_id: str, index: int) -> str:
-    """The base subject of a hop; workers append ``.prefill`` / ``.decode`` (subjects.hop_input)."""
-    return f"{S.ROOT}.act.{S.check_token(route_id, 'route id')}.{int(index)}"
 
 
 def to_assignment(plan: Plan, req: RouteRequest, route_id: str, now: float) -> RouteAssignment:

@@ -1,17 +1,31 @@
-"""The node table: capability reports and heartbeats, with expiry.
+"""The node table: capability reports and heartbeats, with expiry, feeding the route index.
 
 Liveness is judged on the tracker's clock (when a heartbeat arrived), never on the node's
 timestamps. A heartbeat from a node whose report the tracker has not seen yet (a tracker
 restart, a lost announcement) is kept, and ``needs_report`` tells the service to read the
 node's report from the ``neuron-nodes`` KV bucket. The table is pure state: no NATS here.
+
+Every change to a node (report, heartbeat, round trip, assignment, expiry) refiles it in the
+route index (index.py), so route requests never scan the table.
+
+Cost, n nodes:
+- ``apply_heartbeat`` / ``apply_report`` / ``record_rtt``: O(1) here plus the index's O(log m);
+  ``record_assignment``: the same per hop.
+- ``expire`` (before every plan and report, and every 0.25 s): O(1 + what changed): nodes are kept in order of their last
+  heartbeat, so only the ones past the expiry are looked at; dead nodes in order of death, for
+  forgetting; assignments in time order, for the end of their window.
+- ``views`` (coverage map, rejection reasons): O(n log n).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from neuron_bus.messages import CapabilityReport, NodeHeartbeat, RouteAssignment
+from neuron_bus.messages import CapabilityReport, NodeHeartbeat, RouteAssignment, TrackedNode
+from neuron_bus.tracker.coverage import tracked_node
+from neuron_bus.tracker.index import RouteIndex
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.view import NodeView
 
@@ -22,15 +36,29 @@ class _Entry:
     heartbeat: NodeHeartbeat | None = None
     last_seen: float | None = None  # tracker clock, when the last heartbeat arrived
     added: float | None = None  # tracker clock, when the report arrived (live or read from KV)
-    rtt: float | None = None
+    rtt: float | None = None  # the least of the last RTT_SAMPLES round trips
+    rtts: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES))
     assigned: deque[float] = field(default_factory=deque)
     was_alive: bool = False
+    filed: NodeHeartbeat | None = None  # the heartbeat the route index last saw
+    view: NodeView | None = None  # the view filed then
+    tracked: TrackedNode | None = None  # its coverage-map entry (built when asked for)
+
+
+RTT_SAMPLES = 4  # a round trip only ever gains from queueing on the way: the least of a few is the path's
 
 
 class Registry:
     def __init__(self, params: TrackerParams = TrackerParams()):
         self.params = params
+        self.index = RouteIndex(params)
         self._nodes: dict[str, _Entry] = {}
+        self._heard: OrderedDict[str, None] = OrderedDict()  # alive nodes, least recently heard first
+        self._silent: OrderedDict[str, float] = OrderedDict()  # dead (or never heard) nodes -> since when
+        self._assignments: deque[tuple[float, str]] = deque()  # (when, node id), oldest first
+        self._joined: list[str] = []
+        self._expired: list[str] = []
+        self._order: list[tuple[str, int, str]] | None = None  # tracked_order's, None after a change
 
     # -- updates ------------------------------------------------------------------------------
 
@@ -39,23 +67,61 @@ class Registry:
         entry.caps = caps
         if entry.added is None:
             entry.added = now
+            if entry.last_seen is None and now is not None:
+                self._silent[caps.node_id] = now  # forgotten unless a heartbeat follows
+        self._refile(caps.node_id, entry, now)
 
     def apply_heartbeat(self, hb: NodeHeartbeat, now: float) -> None:
-        entry = self._nodes.setdefault(hb.node_id, _Entry())
+        node_id = hb.node_id
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            entry = self._nodes[node_id] = _Entry()
+        same = entry.was_alive and not entry.assigned and _same_state(entry.filed, hb)
         entry.heartbeat = hb
         entry.last_seen = now
+        if not entry.was_alive:
+            entry.was_alive = True
+            self._joined.append(node_id)
+            self._silent.pop(node_id, None)
+        self._heard[node_id] = None
+        self._heard.move_to_end(node_id)
+        if not same:  # most heartbeats say nothing new to the index: liveness is read from last_seen
+            self._refile(node_id, entry, now)
 
-    def remove(self, node_id: str) -> None:
-        self._nodes.pop(node_id, None)
-
-    def record_rtt(self, node_id: str, rtt: float | None) -> None:
-        if node_id in self._nodes:
-            self._nodes[node_id].rtt = rtt
+    def record_rtt(self, node_id: str, rtt: float, now: float) -> None:
+        entry = self._nodes.get(node_id)
+        if entry is not None:
+            entry.rtts.append(rtt)
+            entry.rtt = min(entry.rtts)
+            self._refile(node_id, entry, now)
 
     def record_assignment(self, route: RouteAssignment, now: float) -> None:
         for hop in route.hops:
-            if hop.node_id in self._nodes:
-                self._nodes[hop.node_id].assigned.append(now)
+            entry = self._nodes.get(hop.node_id)
+            if entry is not None:
+                entry.assigned.append(now)
+                self._assignments.append((now, hop.node_id))
+                self._refile(hop.node_id, entry, now)
+
+    def forget_assignment(self, route: RouteAssignment, when: float, now: float) -> None:
+        """Take back an assignment recorded at ``when`` that was never handed out."""
+        for hop in route.hops:
+            entry = self._nodes.get(hop.node_id)
+            if entry is not None and when in entry.assigned:
+                entry.assigned.remove(when)
+                self._refile(hop.node_id, entry, now)
+
+    def _refile(self, node_id: str, entry: _Entry, now: float | None) -> None:
+        if entry.caps is None:
+            return
+        if now is None:
+            now = entry.last_seen if entry.last_seen is not None else 0.0
+        entry.filed = entry.heartbeat
+        if entry.view is None or entry.view.caps is not entry.caps:
+            self._order = None  # a new node, or a new report: its place in the map may move
+        entry.view = self._view(node_id, entry, now)
+        entry.tracked = None
+        self.index.update(entry.view)
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -69,67 +135,153 @@ class Registry:
         return entry is not None and entry.heartbeat is not None and not _consistent(entry)
 
     def live_ids(self, now: float) -> list[str]:
-        return sorted(n for n in self._nodes if self.alive(n, now))
+        return sorted(n for n in self._heard if self.alive(n, now))
+
+    def __len__(self) -> int:
+        return len(self._nodes)
 
     def sweep(self, now: float) -> tuple[list[str], list[str]]:
-        """Note liveness changes; forget nodes dead for ``forget_after``.
+        """``expire``, then (node ids that came alive, node ids that expired) since the last sweep."""
+        self.expire(now)
+        joined, self._joined = self._joined, []
+        expired, self._expired = self._expired, []
+        return sorted(joined), sorted(expired)
+
+    def expire(self, now: float) -> None:
+        """Note liveness changes; forget nodes dead for ``forget_after``; end assignment windows.
+        O(1 + what changed): callers run it before reading the index, which is then exact.
 
         A report never followed by a heartbeat counts from when it arrived: the KV bucket keeps
         every node that ever announced itself, and a restarted tracker reads them all.
-
-        Returns (node ids that came alive, node ids that expired) since the last sweep.
         """
-        joined, expired = [], []
-        for node_id, entry in list(self._nodes.items()):
-            alive = self.alive(node_id, now)
-            if alive and not entry.was_alive:
-                joined.append(node_id)
-            elif not alive and entry.was_alive:
-                expired.append(node_id)
-            entry.was_alive = alive
-            seen = entry.last_seen if entry.last_seen is not None else entry.added
-            if not alive and seen is not None and now - seen > self.params.forget_after:
-                del self._nodes[node_id]
-            while entry.assigned and now - entry.assigned[0] > self.params.assignment_window:
-                entry.assigned.popleft()
-        return sorted(joined), sorted(expired)
+        p = self.params
+        expired = self._expired
+        while self._heard:
+            node_id = next(iter(self._heard))
+            entry = self._nodes[node_id]
+            if now - entry.last_seen <= p.expiry:
+                break
+            del self._heard[node_id]
+            entry.was_alive = False
+            expired.append(node_id)
+            self._silent[node_id] = entry.last_seen
+            self._refile(node_id, entry, now)
+        while self._silent:
+            node_id, since = next(iter(self._silent.items()))
+            if now - since <= p.forget_after:
+                break
+            del self._silent[node_id]
+            self._nodes.pop(node_id, None)
+            self._order = None
+            self.index.discard(node_id)
+        while self._assignments and now - self._assignments[0][0] > p.assignment_window:
+            when, node_id = self._assignments.popleft()
+            entry = self._nodes.get(node_id)
+            if entry is not None:
+                while entry.assigned and now - entry.assigned[0] > p.assignment_window:
+                    entry.assigned.popleft()
+                self._refile(node_id, entry, now)
+
+    def everyone(self, now: float) -> Iterator[tuple[NodeView, bool]]:
+        """(view as last filed, alive at ``now``) for every node with a report: O(n), no new views."""
+        expiry = self.params.expiry
+        for e in self._nodes.values():
+            if e.view is not None:
+                yield e.view, e.last_seen is not None and now - e.last_seen <= expiry
+
+    def tracked_order(self, model_preset: str | None = None) -> list[str]:
+        """Node ids in the coverage map's order (model, first layer, id), kept between changes of
+        the set of nodes: O(n log n) after a change, O(n) (the model filter) otherwise."""
+        if self._order is None:
+            keyed = [(e.view.caps.model_preset, e.view.layer_start, i) for i, e in self._nodes.items() if e.view]
+            self._order = [k for k in sorted(keyed)]
+        return [i for m, _, i in self._order if model_preset is None or m == model_preset]
+
+    def tracked(self, node_ids: Iterable[str], now: float, speeds: dict, flagged: Container[str]) -> list[TrackedNode]:
+        """The coverage map's entries of ``node_ids`` as of ``now``: each entry is built once per
+        change of its node; only the fields that depend on the clock, the flags and the group's
+        references are set here (O(1) per node)."""
+        out = []
+        expiry, slow_factor = self.params.expiry, self.params.slow_factor
+        for node_id in node_ids:
+            e = self._nodes.get(node_id)
+            if e is None or e.view is None:
+                continue  # forgotten since the order was taken
+            v = e.view
+            t = e.tracked
+            if t is None:
+                t = e.tracked = tracked_node(v, False)
+            group_speed = speeds[v.numerics]
+            if node_id in group_speed.members:  # the usual case: one comparison with its size's threshold
+                threshold = group_speed.slow_threshold(v.n_layers, slow_factor)
+                t.slow = threshold is not None and v.decode_tps is not None and 1.0 / v.decode_tps > threshold
+            else:
+                t.slow = group_speed.is_slow(v, self.params)
+            alive = e.last_seen is not None and now - e.last_seen <= expiry
+            t.alive = alive
+            t.status = v.status if alive else "expired"
+            t.seconds_since_heartbeat = None if e.last_seen is None else round(now - e.last_seen, 3)
+            t.recently_assigned = self._pending_assignments(e, now)
+            t.flagged = node_id in flagged
+            out.append(t)
+        return out
 
     def views(self, now: float) -> list[NodeView]:
         """A snapshot of every node with a capability report, for the planner and coverage."""
-        out = []
-        for node_id in sorted(self._nodes):
-            entry = self._nodes[node_id]
-            if entry.caps is None:
-                continue
-            hb = entry.heartbeat if _consistent(entry) else None
-            caps = entry.caps
-            out.append(
-                NodeView(
-                    caps=caps,
-                    alive=self.alive(node_id, now),
-                    status=hb.status if hb else "unknown",
-                    seconds_since_heartbeat=None if entry.last_seen is None else now - entry.last_seen,
-                    decode_tps=_measured(hb.decode_tokens_per_second if hb else 0.0, caps.decode_tokens_per_second),
-                    prefill_tps=_measured(hb.prefill_tokens_per_second if hb else 0.0, caps.prefill_tokens_per_second),
-                    sessions_active=hb.sessions_active if hb else 0,
-                    recently_assigned=self._pending_assignments(entry, now),
-                    queue_depth=hb.queue_depth if hb else 0,
-                    failure_rate=hb.route_failure_rate if hb else 0.0,
-                    rtt=entry.rtt,
-                    neighbour_latency={k: v / 1000.0 for k, v in hb.neighbour_latency_ms.items()} if hb else {},
-                    consistent=entry.heartbeat is None or hb is not None,
-                )
-            )
-        return out
+        return [self._view(i, e, now) for i, e in sorted(self._nodes.items()) if e.caps is not None]
+
+    def _view(self, node_id: str, entry: _Entry, now: float) -> NodeView:
+        hb = entry.heartbeat if _consistent(entry) else None
+        caps = entry.caps
+        last_seen = entry.last_seen
+        return NodeView(
+            caps=caps,
+            alive=last_seen is not None and now - last_seen <= self.params.expiry,
+            status=hb.status if hb else "unknown",
+            seconds_since_heartbeat=None if last_seen is None else now - last_seen,
+            decode_tps=_measured(hb.decode_tokens_per_second if hb else 0.0, caps.decode_tokens_per_second),
+            prefill_tps=_measured(hb.prefill_tokens_per_second if hb else 0.0, caps.prefill_tokens_per_second),
+            sessions_active=hb.sessions_active if hb else 0,
+            recently_assigned=self._pending_assignments(entry, now),
+            queue_depth=hb.queue_depth if hb else 0,
+            failure_rate=hb.route_failure_rate if hb else 0.0,
+            rtt=entry.rtt,
+            neighbour_latency={k: v / 1000.0 for k, v in hb.neighbour_latency_ms.items()} if hb else {},
+            consistent=entry.heartbeat is None or hb is not None,
+        )
 
     def _pending_assignments(self, entry: _Entry, now: float) -> int:
         """Recent assignments no heartbeat could have reported yet (see TrackerParams)."""
+        if not entry.assigned:
+            return 0
         reported_before = entry.last_seen - self.params.assignment_grace if entry.last_seen is not None else None
         return sum(
             1
             for t in entry.assigned
             if now - t <= self.params.assignment_window and (reported_before is None or t > reported_before)
         )
+
+
+TPS_NOISE = 0.01  # throughput changes within 1% (neighbour latencies: 10%) leave a node where it is in the index
+
+
+def _same_state(old: NodeHeartbeat | None, new: NodeHeartbeat) -> bool:
+    """Whether ``new`` tells the route index nothing ``old`` did not (liveness aside)."""
+    if old is None:
+        return False
+    return (
+        old.status == new.status
+        and old.sessions_active == new.sessions_active
+        and old.queue_depth == new.queue_depth
+        and old.route_failure_rate == new.route_failure_rate
+        and (old.layer_start, old.layer_end, old.cache_abi) == (new.layer_start, new.layer_end, new.cache_abi)
+        and abs(new.decode_tokens_per_second - old.decode_tokens_per_second) <= TPS_NOISE * old.decode_tokens_per_second
+        and old.neighbour_latency_ms.keys() == new.neighbour_latency_ms.keys()
+        and all(
+            abs(v - old.neighbour_latency_ms[k]) <= 0.1 * old.neighbour_latency_ms[k]
+            for k, v in new.neighbour_latency_ms.items()
+        )
+    )
 
 
 def _consistent(entry: _Entry) -> bool:

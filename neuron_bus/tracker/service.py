@@ -1,13 +1,34 @@
 """TrackerService: the tracker's NATS side around the registry, planner and coverage map.
 
-Subscriptions (core NATS; route and coverage requests in the queue group ``neuron-tracker`` so
-several trackers can share them, each keeping its own registry from the same heartbeats):
+Subscriptions (core NATS):
 - ``neuron.node.*.caps``       CapabilityReport -> registry
 - ``neuron.node.*.heartbeat``  NodeHeartbeat -> registry (liveness on the tracker's clock)
-- ``neuron.route.request``     RouteRequest -> RouteAssignment | RouteRejection; an assignment is
-  published with JetStream on ``neuron.route.assign.<route_id>`` and put in KV ``neuron-routes``
-  before the reply, so it is durable when the client sees it.
-- ``neuron.tracker.coverage``  CoverageRequest -> CoverageReport
+- ``neuron.route.request``     RouteRequest -> RouteAssignment | RouteRejection, queue group
+  ``neuron-tracker``: each request goes to one of the trackers running.
+- ``neuron.tracker.coverage``  CoverageRequest -> CoverageReport, same queue group
+- ``neuron.route.assign.>``    every tracker's assignments: they count as load on their nodes
+  here too, so trackers sharing the requests spread them as one would.
+
+Several trackers. Each keeps its own registry from the same heartbeats and answers a share of
+the requests. What they hand out is recorded once: an assignment is created in KV
+``neuron-routes`` under a route id derived from the request id, with ``create`` (fails if the
+key exists) as the arbiter, and only then published on ``neuron.route.assign.<route_id>``
+(JetStream, deduplicated by route id) and answered. A request asked again (its tracker died
+before answering, and the client retried with the same request id) finds the route already
+recorded and gets that same route back, if its nodes are still alive and it is recent.
+A route once answered needs no tracker: it is durable in KV and the stream before the client
+sees it, and the hops are told by the client; a tracker that dies costs no assigned route.
+Decisions that one tracker at a time must make (placement) hold the ``placement`` lease
+(neuron_bus/lease.py): ``TrackerService.placement.held``.
+
+Cost per message (n nodes, see registry.py, index.py, planner.py for the parts):
+- heartbeat, report: O(log m) (O(1) registry work + refiling in the route index);
+- route request: O(c k log m + ring search), independent of n beyond the log; several are
+  served concurrently (the KV and stream writes overlap), each reserving its nodes' load
+  before its first await so concurrent plans spread;
+- coverage request: O(n log n + output); the report is built at most every few multiples of
+  its own build time and served from that snapshot in between;
+- pings: a bounded sample per interval (latency.py), whatever n is.
 
 On start the registry is rebuilt from KV ``neuron-nodes`` (every report a node ever put) plus the
 live heartbeats; a heartbeat from a node without a report triggers a KV read of its report. The
@@ -17,9 +38,12 @@ tracker does not create streams or buckets: ``neuron-bus server`` provisions the
 from __future__ import annotations
 
 import asyncio
+import gc
+import hashlib
 import logging
 import time
 import uuid
+from collections import OrderedDict, deque
 
 import nats
 import nats.js.errors as jserr
@@ -27,12 +51,22 @@ import nats.js.errors as jserr
 from neuron_bus import messages
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage, NeuronBusError
-from neuron_bus.messages import CapabilityReport, CoverageRequest, NodeHeartbeat, RouteRejection, RouteRequest
-from neuron_bus.tracker import latency
-from neuron_bus.tracker.coverage import coverage_report
+from neuron_bus.lease import Lease, LeaseError
+from neuron_bus.messages import (
+    CapabilityReport,
+    CoverageRequest,
+    NodeHeartbeat,
+    RouteAssignment,
+    RouteRejection,
+    RouteRequest,
+)
+from neuron_bus.ping import ping_many
+from neuron_bus.tracker.coverage import assemble, group_speeds
+from neuron_bus.tracker.latency import PingSampler
 from neuron_bus.tracker.params import TrackerParams
-from neuron_bus.tracker.planner import Rejection, plan_route, to_assignment, to_rejection
-from neuron_bus.tracker.registry import Registry
+from neuron_bus.tracker.planner import Plan, Rejection, plan_indexed, plan_route, to_assignment, to_rejection
+from neuron_bus.tracker.registry import RTT_SAMPLES, Registry
+from neuron_bus.tracker.speed import GroupSpeed
 from neuron_bus.trust.sampler import TrackerTrust
 
 log = logging.getLogger("neuron_bus.tracker")
@@ -40,6 +74,13 @@ log = logging.getLogger("neuron_bus.tracker")
 QUEUE_GROUP = "neuron-tracker"
 SWEEP_INTERVAL = 0.25
 REPORT_RETRY = 2.0
+IN_FLIGHT = 64  # route requests served at once
+COVERAGE_REUSE = 4.0  # a coverage report is reused for up to this many times its build time
+FULL_GC_INTERVAL = 120.0  # seconds between full collections once tune_gc ran
+COVERAGE_CHUNK = 2000  # node entries set between two turns of the event loop
+PLACEMENT_LEASE = "placement"
+YIELD_EVERY = 32  # heartbeats handled in a row before other callbacks get a turn
+PING_CONCURRENCY = 8  # pings in flight at once: answers queueing here would inflate every round trip
 
 
 class TrackerError(NeuronBusError):
@@ -50,15 +91,28 @@ def _mono() -> float:
     return time.monotonic()
 
 
+def route_id_for(request_id: str) -> str:
+    """The route id a request gets, the same on every tracker (so a retried request meets its route)."""
+    return hashlib.sha256(request_id.encode()).hexdigest()[:32]
+
+
 class TrackerService:
     def __init__(self, nc: nats.NATS, params: TrackerParams = TrackerParams()):
         self.nc = nc
         self.params = params
+        self.tracker_id = uuid.uuid4().hex[:12]
         self.registry = Registry(params)
+        self.pings = PingSampler(params.ping_budget, settled=RTT_SAMPLES)
         self._subs: list = []
         self._tasks: set[asyncio.Task] = set()
         self._fetching: set[str] = set()
+        self._beats = 0
+        self._full_gc_at: float | None = None  # tune_gc: when the next full collection runs
         self._started_at: float | None = None
+        self._ours: OrderedDict[str, float] = OrderedDict()  # route ids this tracker assigned -> when
+        self._in_flight = asyncio.Semaphore(IN_FLIGHT)
+        self._coverage: dict[tuple, tuple[float, float, bytes]] = {}  # request kind -> (built at, cost, report)
+        self.placement: Lease | None = None
         self.trust = TrackerTrust(nc, params.audit_rate)  # replay sampling, audit flags
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -79,6 +133,7 @@ class TrackerService:
         self._subs = [
             await self.nc.subscribe(S.NODE_HEARTBEAT_ALL, cb=self._on_heartbeat),
             await self.nc.subscribe(S.NODE_ANNOUNCE_ALL, cb=self._on_report),
+            await self.nc.subscribe(S.ROUTE_ASSIGN_ALL, cb=self._on_assignment),
             await self.nc.subscribe(S.ROUTE_REQUEST, queue=QUEUE_GROUP, cb=self._on_route_request),
             await self.nc.subscribe(S.TRACKER_COVERAGE, queue=QUEUE_GROUP, cb=self._on_coverage),
         ]
@@ -88,7 +143,13 @@ class TrackerService:
         self._spawn(self._sweep_loop())
         if self.params.ping_interval > 0:
             self._spawn(self._ping_loop())
-        log.info("tracker started: %d node report(s) from %s", len(self.registry.views(_mono())), S.KV_NODES)
+        self.placement = Lease(js, S.KV_LEASES, PLACEMENT_LEASE, holder=f"tracker-{self.tracker_id}")
+        try:
+            await self.placement.start()
+        except LeaseError as exc:
+            log.warning("no placement lease (%s): this tracker never makes placement decisions", exc)
+            self.placement = None
+        log.info("tracker %s started: %d node report(s) from %s", self.tracker_id, len(self.registry), S.KV_NODES)
 
     async def stop(self) -> None:
         for sub in self._subs:
@@ -97,11 +158,24 @@ class TrackerService:
             except nats.errors.Error:
                 pass
         self._subs = []
+        if self.placement is not None:
+            await self.placement.stop()
         await self.trust.stop()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+
+    def tune_gc(self) -> None:
+        """For a tracker process (the CLI calls it): Python's full collections walk every live
+        object (a 10,000-node table holds hundreds of thousands) and stop the event loop for
+        100-200 ms whenever survivors pile up, every few seconds under heartbeats. The young
+        generations stay as they are; what is alive now (modules, the table read from KV) is
+        frozen out of full collections, which run from the sweep loop every FULL_GC_INTERVAL."""
+        gen0, gen1, _ = gc.get_threshold()
+        gc.set_threshold(gen0, gen1, 1_000_000)  # the oldest generation: collected when asked
+        gc.freeze()
+        self._full_gc_at = _mono() + FULL_GC_INTERVAL
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -147,6 +221,9 @@ class TrackerService:
         self.registry.apply_report(caps, _mono())
 
     async def _on_heartbeat(self, msg) -> None:
+        self._beats += 1
+        if self._beats % YIELD_EVERY == 0:
+            await asyncio.sleep(0)  # a burst of heartbeats does not hold up requests and pongs
         try:
             hb = messages.decode(msg.data, NodeHeartbeat)
         except MalformedMessage as exc:
@@ -157,65 +234,199 @@ class TrackerService:
             self._fetching.add(hb.node_id)
             self._spawn(self._refresh_report(hb.node_id))
 
+    async def _on_assignment(self, msg) -> None:
+        """Another tracker's assignment (our own come back too: already recorded)."""
+        route_id = msg.subject.rsplit(".", 1)[-1]
+        if route_id in self._ours:
+            return
+        try:
+            route = messages.decode(msg.data, RouteAssignment)
+        except MalformedMessage as exc:
+            log.debug("ignored an assignment on %s: %s", msg.subject, exc)
+            return
+        self.registry.record_assignment(route, _mono())
+
     async def _sweep_loop(self) -> None:
         while True:
-            joined, expired = self.registry.sweep(_mono())
+            now = _mono()
+            joined, expired = self.registry.sweep(now)
             for node_id in joined:
                 log.info("node %s is alive", node_id)
             for node_id in expired:
                 log.warning("node %s expired: no heartbeat for %.1fs", node_id, self.params.expiry)
+            while self._ours and now - next(iter(self._ours.values())) > self.params.assignment_window:
+                self._ours.popitem(last=False)
+            if self._full_gc_at is not None and now >= self._full_gc_at:
+                gc.collect()
+                self._full_gc_at = now + FULL_GC_INTERVAL
+            for group in self.registry.index.stale_speeds():  # large groups: rebuilt off the event loop
+                members, t0 = list(group.members()), _mono()
+                group.adopt(await asyncio.to_thread(GroupSpeed, members), cost=_mono() - t0)
             await asyncio.sleep(SWEEP_INTERVAL)
 
     async def _ping_loop(self) -> None:
+        """Ping a sample of nodes every interval (latency.py). A node's round trip is counted from
+        the server: the tracker's own round trip to it (a flush, the least of the last few) is
+        taken off, as the seams between two nodes never cross the tracker."""
+        own: deque[float] = deque(maxlen=16)
         while True:
-            rtts = await latency.ping_all(self.nc, self.registry.live_ids(_mono()))
-            for node_id, rtt in rtts.items():
-                self.registry.record_rtt(node_id, rtt)
+            now = _mono()
+            try:
+                await self.nc.flush(timeout=1)
+                own.append(_mono() - now)
+            except (nats.errors.Error, TimeoutError):
+                pass
+            base = min(own, default=0.0)
+            now = _mono()
+            chosen = self.pings.choose(
+                self.registry.live_ids(now), self.registry.index.candidates(self.params.route_candidates)
+            )
+            self.pings.pinged_at(chosen, now)
+            for node_id, rtt in (await ping_many(self.nc, chosen, concurrency=PING_CONCURRENCY)).items():
+                if rtt is not None:  # no answer: the last measurement stands
+                    self.registry.record_rtt(node_id, max(rtt - base, 0.0), _mono())
+                    self.pings.answered(node_id)
+            if len(self.pings.pinged) > 2 * len(self.registry) + 64:
+                self.pings.forget(self.registry.live_ids(_mono()))
             await asyncio.sleep(self.params.ping_interval)
 
     # -- requests -----------------------------------------------------------------------------
 
-    async def route(self, req: RouteRequest) -> messages.RouteAssignment | RouteRejection:
-        """Plan, publish and record a route, or say why not."""
-        result = plan_route(req, self._views(), self.params)
+    def _plan(self, req: RouteRequest) -> Plan | Rejection:
+        now = _mono()
+        flagged = self.trust.flagged
+        registry = self.registry
+        registry.expire(now)
+
+        def keep(v) -> bool:
+            return v.node_id not in flagged and registry.alive(v.node_id, now)
+
+        plan = plan_indexed(req, registry.index, self.params, keep)
+        if plan is not None:
+            return plan
+        return plan_route(req, self._views(), self.params)  # every reason, from every node
+
+    async def route(self, req: RouteRequest) -> RouteAssignment | RouteRejection:
+        """Plan, record, publish and hand out a route, or say why not."""
+        result = self._plan(req)
         waited = _mono() - (self._started_at or 0.0)
         if isinstance(result, Rejection) and waited < self.params.warmup:
             await asyncio.sleep(self.params.warmup - waited)  # just (re)started: heartbeats are coming
-            result = plan_route(req, self._views(), self.params)
+            result = self._plan(req)
         if isinstance(result, Rejection):
             log.info("route request %s rejected: %s", req.request_id, "; ".join(result.reasons))
             return to_rejection(result, req)
-        assignment = to_assignment(result, req, uuid.uuid4().hex, time.time())
-        data = messages.encode(assignment)
+        assignment = to_assignment(result, req, route_id_for(req.request_id), time.time())
+        when = _mono()
+        self.registry.record_assignment(assignment, when)  # before any await: concurrent plans see the load
         try:
-            await self._js.publish(S.route_assign(assignment.route_id), data)
-            await self._kv_routes.put(assignment.route_id, data)
+            handed = await self._record(assignment, req, result, when)
         except (nats.errors.Error, jserr.Error) as exc:
-            return RouteRejection(request_id=req.request_id, reasons=[f"could not publish the route assignment: {exc}"])
-        self.registry.record_assignment(assignment, _mono())
+            self.registry.forget_assignment(assignment, when, _mono())
+            return RouteRejection(request_id=req.request_id, reasons=[f"could not record the route assignment: {exc}"])
+        if handed.created_at != assignment.created_at:
+            self.registry.forget_assignment(assignment, when, _mono())
+            log.info("route request %s asked again: route %s as recorded", req.request_id, handed.route_id)
+            return handed
         log.info(
             "route %s for %s: %s (%.2f ms/token expected)",
-            assignment.route_id,
+            handed.route_id,
             req.request_id,
-            " -> ".join(f"{h.node_id}[{h.layer_start}-{h.layer_end - 1}]" for h in assignment.hops),
+            " -> ".join(f"{h.node_id}[{h.layer_start}-{h.layer_end - 1}]" for h in handed.hops),
             result.seconds_per_token * 1000,
+        )
+        return handed
+
+    async def _record(self, assignment: RouteAssignment, req: RouteRequest, plan: Plan, when: float) -> RouteAssignment:
+        """Create the assignment in KV (the arbiter), then publish it. Returns what to hand out:
+        this assignment, or the one already recorded for the same request."""
+        data = messages.encode(assignment)
+        try:
+            await self._kv_routes.create(assignment.route_id, data)
+        except jserr.KeyWrongLastSequenceError:
+            existing = await self._recorded(assignment.route_id, req)
+            if existing is not None:
+                return existing
+            # the id is taken by an older or different request with the same id: a fresh id
+            assignment = to_assignment(plan, req, uuid.uuid4().hex, assignment.created_at)
+            data = messages.encode(assignment)
+            await self._kv_routes.create(assignment.route_id, data)
+        self._ours[assignment.route_id] = when  # before the publish: its echo must not count twice
+        await self._js.publish(
+            S.route_assign(assignment.route_id), data, headers={"Nats-Msg-Id": assignment.route_id}, timeout=5.0
         )
         return assignment
 
-    async def _on_route_request(self, msg) -> None:
+    async def _recorded(self, route_id: str, req: RouteRequest) -> RouteAssignment | None:
+        """The route recorded under ``route_id`` if it answers ``req`` and can still be used."""
         try:
-            req = messages.decode(msg.data, RouteRequest)
-        except MalformedMessage as exc:
-            await msg.respond(messages.encode(RouteRejection(request_id="", reasons=[str(exc)])))
-            return
-        await msg.respond(messages.encode(await self.route(req)))
+            entry = await self._kv_routes.get(route_id)
+            route = messages.decode(entry.value, RouteAssignment)
+        except (jserr.KeyNotFoundError, MalformedMessage):
+            return None
+        now = _mono()
+        fits = (
+            route.model_preset == req.model_preset
+            and route.policy == req.policy
+            and route.wire_dtype == req.wire_dtype
+            and route.encoding == req.encoding
+            and time.time() - route.created_at <= self.params.assignment_window
+            and all(self.registry.alive(h.node_id, now) for h in route.hops)
+        )
+        return route if fits else None
+
+    async def _on_route_request(self, msg) -> None:
+        await self._in_flight.acquire()  # beyond IN_FLIGHT, requests wait in the subscription
+        self._spawn(self._answer_route(msg))
+
+    async def _answer_route(self, msg) -> None:
+        try:
+            try:
+                req = messages.decode(msg.data, RouteRequest)
+            except MalformedMessage as exc:
+                await msg.respond(messages.encode(RouteRejection(request_id="", reasons=[str(exc)])))
+                return
+            await msg.respond(messages.encode(await self.route(req)))
+        except nats.errors.Error as exc:
+            log.warning("could not answer a route request: %s", exc)
+        finally:
+            self._in_flight.release()
 
     def _views(self) -> list:
-        """The live node views, with the audit flags set: what routes and coverage both see."""
+        """Every node's view, with the audit flags set: what rejection reasons see."""
         return self.trust.mark(self.registry.views(_mono()))
 
-    def coverage(self, model_preset: str | None = None) -> messages.CoverageReport:
-        return coverage_report(self._views(), time.time(), self.params, model_preset)
+    async def coverage(self, req: CoverageRequest = CoverageRequest()) -> bytes:
+        """The encoded coverage map for ``req``, from the route index and the registry's cached
+        node entries (no view is rebuilt); the node list is set in chunks, letting route requests
+        and heartbeats in between. Reused while younger than COVERAGE_REUSE times its build time."""
+        key = (req.model_preset, req.nodes, req.replicas)
+        t0 = _mono()
+        cached = self._coverage.get(key)
+        if cached is not None and t0 - cached[0] <= COVERAGE_REUSE * cached[1]:
+            return cached[2]
+        registry, flagged = self.registry, self.trust.flagged
+        registry.expire(t0)
+        speeds = group_speeds(registry.index, {v.numerics for v, _ in registry.everyone(t0)})
+        nodes: list = []
+        if req.nodes:
+            order = registry.tracked_order(req.model_preset)
+            for i in range(0, len(order), COVERAGE_CHUNK):
+                nodes += registry.tracked(order[i : i + COVERAGE_CHUNK], t0, speeds, flagged)
+                await asyncio.sleep(0)
+        report = assemble(
+            registry.index,
+            registry.everyone(t0),
+            lambda: nodes,
+            time.time(),
+            self.params,
+            req.model_preset,
+            req.nodes,
+            req.replicas,
+        )
+        data = messages.encode(report)
+        self._coverage[key] = (t0, _mono() - t0, data)
+        return data
 
     async def _on_coverage(self, msg) -> None:
         try:
@@ -223,4 +434,14 @@ class TrackerService:
         except MalformedMessage as exc:
             await msg.respond(messages.encode(messages.ControlError(code="bad_json", message=str(exc))))
             return
-        await msg.respond(messages.encode(self.coverage(req.model_preset)))
+        data = await self.coverage(req)
+        limit = self.nc.max_payload
+        if len(data) > limit:
+            data = messages.encode(
+                messages.ControlError(
+                    code="too_large",
+                    message=f"tracker: the coverage map is {len(data)} bytes, over the server's max payload of {limit}:"
+                    " ask for one model, or without the node list or replica ids (CoverageRequest nodes/replicas false)",
+                )
+            )
+        await msg.respond(data)

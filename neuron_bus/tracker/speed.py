@@ -13,12 +13,23 @@ overestimates, since the fixed part is scaled too). The reference is the lower m
 over the group's measured nodes, itself included; a node is slow when its time per token exceeds
 ``slow_factor`` times its reference. Equal ranges compare as they are, a node with few layers is
 never slow just for its overhead, and a straggler stands out against any peer.
+
+Cost: per-node functions are O(1). GroupSpeed holds a group's references: O(m) to build from m
+nodes, O(m log m) once per distinct range size asked about, then O(log m) per node judged; a
+straggler set over a whole group is O(m log m) (it was O(m^2), comparing every node with every
+peer).
+
+Seams are separable: a seam costs half of each end's round trip (half_seam) unless a neighbour
+latency was measured for that pair, so the planner can put each node's share on the node itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from statistics import median_low
+from typing import NamedTuple
+
+import numpy as np
 
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.view import NodeView
@@ -43,29 +54,82 @@ def measured_seconds_per_token(view: NodeView) -> float | None:
     return 1.0 / view.decode_tps
 
 
-def reference_seconds_per_token(view: NodeView, peers: Sequence[NodeView]) -> float | None:
-    """What a peer of the group would take per token for a range of ``view``'s size (see above)."""
-    allowed = []
-    for peer in peers:
-        t = measured_seconds_per_token(peer)
-        if t is not None and peer.n_layers > 0:
-            allowed.append(t * max(1.0, view.n_layers / peer.n_layers))
-    return median_low(allowed) if allowed else None
+class References(NamedTuple):
+    """What an unmeasured node of a group is compared with: the group's lower-median seconds per
+    layer and round trip (None when no node of the group measured one)."""
+
+    per_layer: float | None = None
+    rtt: float | None = None
+
+
+class GroupSpeed:
+    """The straggler references of one numerics group, for every range size at once.
+
+    Built from the group's usable nodes in O(m); the reference for a range of k layers costs
+    O(m log m) the first time k is asked for (m: measured nodes) and O(log m) after, also for a
+    node outside the group (its own time joins the peers, as the rule says).
+    """
+
+    def __init__(self, views: Sequence[NodeView]):
+        measured = [
+            (t, v.n_layers) for v in views if (t := measured_seconds_per_token(v)) is not None and v.n_layers > 0
+        ]
+        self._t = np.fromiter((t for t, _ in measured), dtype=np.float64, count=len(measured))
+        self._layers = np.fromiter((k for _, k in measured), dtype=np.float64, count=len(measured))
+        per_layer = [s for s in map(seconds_per_layer, views) if s is not None]
+        rtts = [v.rtt for v in views if v.rtt is not None]
+        self.references = References(median_low(per_layer) if per_layer else None, median_low(rtts) if rtts else None)
+        self._allowed: dict[int, np.ndarray] = {}
+        self._member_reference: dict[int, float | None] = {}
+        self.members = {v.node_id for v in views}
+
+    def _sorted_allowed(self, k: int) -> np.ndarray:
+        got = self._allowed.get(k)
+        if got is None:
+            got = np.sort(self._t * np.maximum(1.0, k / self._layers))
+            self._allowed[k] = got
+        return got
+
+    def reference_seconds_per_token(self, view: NodeView) -> float | None:
+        """What a peer would take per token for a range of ``view``'s size (the module docstring)."""
+        k = view.n_layers
+        own = measured_seconds_per_token(view)
+        if view.node_id in self.members or own is None or k <= 0:
+            if k not in self._member_reference:
+                allowed = self._sorted_allowed(k)
+                self._member_reference[k] = float(allowed[(len(allowed) - 1) // 2]) if len(allowed) else None
+            return self._member_reference[k]
+        allowed = self._sorted_allowed(k)
+        # the view is not one of the peers: its own time (as is, same size) joins them
+        j, p = len(allowed) // 2, int(np.searchsorted(allowed, own, side="right"))
+        return float(allowed[j] if j < p else own if j == p else allowed[j - 1])
+
+    def slow_threshold(self, n_layers: int, slow_factor: float) -> float | None:
+        """Seconds per token beyond which a member of the group with ``n_layers`` is slow."""
+        reference = self._member_reference.get(n_layers)
+        if reference is None and n_layers not in self._member_reference:
+            allowed = self._sorted_allowed(n_layers)
+            reference = self._member_reference[n_layers] = (
+                float(allowed[(len(allowed) - 1) // 2]) if len(allowed) else None
+            )
+        return None if reference is None else slow_factor * reference
+
+    def is_slow(self, view: NodeView, params: TrackerParams) -> bool:
+        t = measured_seconds_per_token(view)
+        if t is None:
+            return False
+        reference = self.reference_seconds_per_token(view)
+        return reference is not None and t > params.slow_factor * reference
 
 
 def slow_nodes(nodes: Sequence[NodeView], params: TrackerParams) -> set[str]:
     """Node ids of the stragglers among ``nodes`` (one numerics group, usable nodes only)."""
-    return {v.node_id for v in nodes if is_slow(v, nodes, params)}
+    group = GroupSpeed(nodes)
+    return {v.node_id for v in nodes if group.is_slow(v, params)}
 
 
 def is_slow(view: NodeView, peers: Sequence[NodeView], params: TrackerParams) -> bool:
-    t = measured_seconds_per_token(view)
-    if t is None:
-        return False
-    if all(p.node_id != view.node_id for p in peers):
-        peers = [*peers, view]
-    reference = reference_seconds_per_token(view, peers)
-    return reference is not None and t > params.slow_factor * reference
+    return GroupSpeed(peers).is_slow(view, params)
 
 
 def seconds_per_token(view: NodeView, reference: float | None, params: TrackerParams) -> float:
@@ -87,17 +151,35 @@ def expected_seconds_per_token(view: NodeView, reference: float | None, params: 
     return seconds_per_token(view, reference, params) * (1 + view.load) / (1 - failure)
 
 
-def seam_latency(u: NodeView, v: NodeView, params: TrackerParams) -> float:
-    """One-way latency of a seam from u to v (seconds).
+def half_seam(view: NodeView, params: TrackerParams, rtt_reference: float | None = None) -> float:
+    """A node's share of each seam it sits on: half its round trip to the tracker (messages cross
+    the server, which the tracker is usually next to). An unmeasured node is assumed
+    ``unmeasured_factor`` times the group's reference round trip (never preferred over a measured
+    node for being unmeasured), or the default seam without any measurement."""
+    if view.rtt is not None:
+        return view.rtt / 2
+    if rtt_reference is not None:
+        return rtt_reference * params.unmeasured_factor / 2
+    return params.default_hop_latency / 2
 
-    Preference: a neighbour latency either node measured to the other; else, both nodes'
-    round trips to the tracker halved (messages cross the server, which the tracker is
-    usually next to); else the configured default.
-    """
+
+def measured_seam(u: NodeView, v: NodeView) -> float | None:
+    """A neighbour latency either node measured to the other (seconds), if any."""
     for a, b in ((u, v), (v, u)):
         measured = a.neighbour_latency.get(b.node_id)
         if measured is not None and measured >= 0:
             return measured
-    if u.rtt is not None and v.rtt is not None:
-        return (u.rtt + v.rtt) / 2
-    return params.default_hop_latency
+    return None
+
+
+def seam_latency(u: NodeView, v: NodeView, params: TrackerParams, rtt_reference: float | None = None) -> float:
+    """One-way latency of a seam from u to v (seconds).
+
+    Preference: a neighbour latency either node measured to the other; else each node's half
+    seam (half_seam) added up: both round trips halved when both are measured, the default when
+    nothing is.
+    """
+    measured = measured_seam(u, v)
+    if measured is not None:
+        return measured
+    return half_seam(u, params, rtt_reference) + half_seam(v, params, rtt_reference)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 from neuron_bus.messages import CapabilityReport
@@ -51,7 +52,7 @@ class NodeView:
     def n_layers(self) -> int:
         return self.caps.layer_end - self.caps.layer_start
 
-    @property
+    @cached_property
     def numerics(self) -> Numerics:
         c = self.caps
         return Numerics(c.model_preset, c.model_revision, c.backend_id, c.cache_abi, c.n_layers_total)
@@ -76,6 +77,6 @@ class NodeView:
 
     @property
     def load(self) -> int:
-        """Sessions competing for this node: reported ones, or recent assignments not yet
+        """Sessions competing for this node: reported ones, plus recent assignments not yet
         reported, plus queued work."""
-        return max(self.sessions_active, self.recently_assigned) + self.queue_depth
+        return self.sessions_active + self.recently_assigned + self.queue_depth

@@ -13,7 +13,7 @@ Roles:
 - worker:   its data plane (activations, tokens, telemetry, errors), node announcements and
             heartbeats, control requests, validation events and ledger entries, KV/object
             buckets and the JetStream API (its consumers)
-- tracker:  node reports and heartbeats in, route assignments out, route/coverage requests,
+- tracker:  node reports and heartbeats in, route assignments out (and in: other trackers'), route/coverage requests,
             validation events (sampling) and audit requests, KV buckets
 - auditor:  audit requests and validation events in, verdicts and KV ``neuron-flags`` out
 - client:   route and coverage requests, control requests to nodes, prompt chunks into hop 0,
@@ -88,6 +88,7 @@ ROLES: dict[str, dict[str, list[str]]] = {
             f"{R}.node.*.caps",
             f"{R}.node.*.heartbeat",
             S.ROUTE_REQUEST,
+            S.ROUTE_ASSIGN_ALL,  # the other trackers' assignments count as load
             S.TRACKER_COVERAGE,
             S.VALIDATION_ALL,
             INBOX,

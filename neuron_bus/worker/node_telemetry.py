@@ -4,19 +4,19 @@
   artifact pieces), from the OS counters;
 - route failure rate: the share of this node's recent sessions that ended in an error;
 - latency to neighbours: round trips over the bus to the nodes next to it on its routes
-  (a `Ping` on their control subject), halved, refreshed every few seconds.
+  (neuron_bus/ping.py: a `Ping` on their control subject, answered by their `Pong`), halved,
+  refreshed every few seconds.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import deque
 
 import psutil
 
 from neuron_bus import messages as M
-from neuron_bus import subjects as S
+from neuron_bus.ping import ping_many
 
 PING_EVERY_S = 5.0
 PING_TIMEOUT_S = 1.0
@@ -56,18 +56,9 @@ class NodeTelemetry:
         if not neighbours or time.monotonic() - self._pinged_at < PING_EVERY_S:
             return
         self._pinged_at = time.monotonic()
-        results = await asyncio.gather(*(self._ping(nc, n) for n in neighbours))
-        for node, ms in zip(neighbours, results):
-            if ms is not None:
-                self.latency_ms[node] = ms
-
-    async def _ping(self, nc, node: str) -> float | None:
-        sent = time.perf_counter()
-        try:
-            await nc.request(S.node_control(node), M.encode(M.Ping(sent_at=time.time())), timeout=PING_TIMEOUT_S)
-        except Exception:  # gone or busy: no figure this time
-            return None
-        return round((time.perf_counter() - sent) * 1000 / 2, 3)
+        for node, rtt in (await ping_many(nc, neighbours, PING_TIMEOUT_S)).items():
+            if rtt is not None:  # gone, busy or not a node: no figure this time
+                self.latency_ms[node] = round(rtt * 1000 / 2, 3)
 
 
 def neighbours(node_id: str, routes: list[M.RouteAssignment]) -> set[str]:

@@ -1,0 +1,3 @@
+from neuron_bus.sim.run import main
+
+main()

@@ -1,0 +1,151 @@
+"""The tracker at scale, on real processes: the swarm simulator (neuron_bus/sim) against real
+`neuron-bus tracker` processes on a real nats-server, and several trackers sharing one bus.
+
+- 500 simulated nodes with churn (joins, leaves, silent deaths): every route is complete,
+  ordered, made of real nodes with their real ranges, honours its policy, and never goes through
+  a node whose last heartbeat is older than the tracker's expiry when the request was sent.
+- Three trackers, one SIGKILLed mid-run: every route request is answered (those in flight at the
+  dead tracker once more, with the same request id), and no route it assigned is lost.
+- Trackers sharing the requests count each other's assignments (spreading works across them),
+  a request asked twice gets the same route, and one of them holds the placement lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from neuron_bus import messages
+from neuron_bus import subjects as S
+from neuron_bus.sim.run import Options, simulate
+from neuron_bus.topology import connect
+from neuron_bus.tracker import TrackerParams, TrackerService
+from tests.test_tracker import ask_route, bus, hops  # noqa: F401  (bus: the fixture)
+
+EXPIRY = 2.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_500_simulated_nodes_with_churn_get_complete_routes_never_through_the_dead(tmp_path):
+    result = simulate(
+        Options(
+            nodes=500,
+            trackers=1,
+            duration=12.0,
+            churn="joins=0.3,leaves=0.3,deaths=0.6",  # per minute: ~300 churn events over the run
+            route_rate=20.0,
+            coverage_rate=0.5,
+            throughput_seconds=3.0,
+            idle_seconds=1.0,
+            expiry=EXPIRY,
+            seed=5,
+        ),
+        tmp_path,
+    )
+    checks = result["checks"]
+    assert checks["requests"] >= 200 and checks["routes"] == checks["requests"], checks
+    assert checks["bad_routes"] == 0, checks["examples"]
+    assert checks["through_gone_after_expiry"] == 0, checks["examples"]
+    assert result["pool"]["gone"] >= 50, result["pool"]  # the churn happened: nodes left and died
+    lat = result["latency_phase"]
+    assert lat["coverage_ms"]["n"] >= 3 and not lat["coverage_errors"], lat
+    assert result["quality"]["n"] > 0 and result["quality"]["search_on_truth"]["max_ratio"] <= 1.0 + 1e-9
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_killing_one_of_three_trackers_keeps_route_requests_answered(tmp_path):
+    result = simulate(
+        Options(
+            nodes=300,
+            trackers=3,
+            duration=10.0,
+            churn="0",
+            route_rate=20.0,
+            coverage_rate=0.0,
+            throughput_seconds=0.0,
+            idle_seconds=0.5,
+            kill_tracker_at=3.0,
+            expiry=EXPIRY,
+            seed=6,
+        ),
+        tmp_path,
+    )
+    kill, checks = result["kill"], result["checks"]
+    assert kill["requests_after"] >= 100, kill
+    assert kill["unanswered_after"] == 0 and checks["unanswered"] == 0, (kill, checks)
+    assert checks["routes"] == checks["requests"] and checks["bad_routes"] == 0, checks
+    assert kill["routes_before"] >= 40 and kill["routes_before_lost"] == 0, kill  # the dead one's routes stand
+
+
+PARAMS = TrackerParams(expiry=EXPIRY, ping_interval=0.0, warmup=0.5)
+
+
+@pytest.fixture
+async def trackers(bus):  # noqa: F811
+    services = []
+    for _ in range(3):
+        nc = await connect(bus.url, max_reconnect_attempts=1)
+        service = TrackerService(nc, PARAMS)
+        await service.start()
+        services.append(service)
+    try:
+        yield services
+    finally:
+        for service in services:
+            await service.stop()
+            await service.nc.close()
+
+
+async def live_everywhere(services, *ids):
+    deadline = time.monotonic() + 10
+    while not all(set(ids) <= set(s.registry.live_ids(time.monotonic())) for s in services):
+        assert time.monotonic() < deadline, "trackers did not see the nodes"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+async def test_three_trackers_spread_requests_as_one_and_a_repeated_request_gets_its_route(bus, trackers):  # noqa: F811
+    await bus.node("left", 0, 30)
+    await bus.node("right", 0, 30)
+    await live_everywhere(trackers, "left", "right")
+    routes = [await ask_route(bus.nc, request_id=f"spread-{i}") for i in range(18)]
+    used = [hops(r)[0][0] for r in routes]
+    # each tracker answers some of them and counts the others' assignments: one tracker would split 9/9
+    assert 8 <= used.count("left") <= 10, used
+    served = [len(t._ours) for t in trackers]
+    assert sum(served) == 18 and sum(n > 0 for n in served) >= 2, served
+    again = await ask_route(bus.nc, request_id="spread-3")  # asked again (a client that timed out)
+    assert again == routes[3]
+
+
+@pytest.mark.timeout(60)
+async def test_one_tracker_holds_the_placement_lease_and_hands_it_over_when_it_stops(bus, trackers):  # noqa: F811
+    held = [t for t in trackers if t.placement is not None and t.placement.held]
+    assert len(held) == 1
+    await held[0].placement.stop()  # the holder stops (its lease is released)
+    others = [t for t in trackers if t is not held[0]]
+    deadline = time.monotonic() + S.LEASE_TTL_S  # the others retry every third of the lease's life
+    while not any(t.placement.held for t in others):
+        assert time.monotonic() < deadline, "nobody took the placement lease over"
+        await asyncio.sleep(0.05)
+    assert sum(t.placement.held for t in others) == 1
+
+
+@pytest.mark.timeout(60)
+async def test_an_assignment_is_recorded_once_and_its_request_id_cannot_take_another(bus, trackers):  # noqa: F811
+    await bus.node("whole", 0, 30)
+    await live_everywhere(trackers, "whole")
+    first = await ask_route(bus.nc, request_id="once")
+    kv = await bus.nc.jetstream().key_value(S.KV_ROUTES)
+    entry = await kv.get(first.route_id)
+    assert messages.decode(entry.value, messages.RouteAssignment) == first
+    asked = await asyncio.gather(*(ask_route(bus.nc, request_id="once") for _ in range(6)))  # several trackers at once
+    assert all(r == first for r in asked)
+    assert (await kv.get(first.route_id)).revision == entry.revision  # never overwritten
+    other = await ask_route(bus.nc, request_id="once", wire_dtype="bf16")  # same id, another request
+    assert isinstance(other, messages.RouteAssignment) and other.wire_dtype == "bf16"
+    assert other.route_id != first.route_id and hops(other) == hops(first)
