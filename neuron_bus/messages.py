@@ -58,7 +58,7 @@ class PlacementRequest(Struct):
     trust_tier: TrustTier = "untrusted"
 
 
-class PlacementDecision(Struct):
+class PlacementDecision(Struct, tag_field="type", tag="placement"):
     """A range given to a node (the reply to a PlacementRequest, or a move), and why; every decision
     is also published on ``neuron.placement.decisions``."""
 
@@ -75,7 +75,7 @@ class PlacementDecision(Struct):
     tracker_id: str = ""
 
 
-class PlacementRejection(Struct):
+class PlacementRejection(Struct, tag_field="type", tag="placement_rejection"):
     node_id: str
     reasons: list[str]
 
@@ -349,7 +349,7 @@ class MoveRange(Struct, tag_field="op", tag="move"):
     reason: str = ""
 
 
-class MoveAccepted(Struct, tag_field="op", tag="moving"):
+class MoveAccepted(Struct, tag_field="type", tag="moving"):
     node_id: str
     layer_start: int
     layer_end: int
@@ -692,6 +692,7 @@ class CoverageReport(Struct, tag_field="type", tag="coverage"):
     slow_factor: float
     models: list[ModelCoverage]
     nodes: list[TrackedNode] = []
+    placements: list[PlacementDecision] = []  # the latest placement decisions (joins and moves), oldest first
 
 
 ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (

@@ -165,6 +165,10 @@ def render(report: messages.CoverageReport, model: str | None = None) -> None:
                 "yes" if n.slow else "",
             )
         console.print(nodes)
+    for d in report.placements[-5:]:
+        console.print(
+            f"placement ({d.kind}): {d.node_id} -> {d.model_preset} layers {spell(d.layer_start, d.layer_end)}: {d.reason}"
+        )
     console.print(
         f"expiry {report.expiry_seconds:g}s · under-provisioned: < {report.min_replicas} replicas, "
         f"only replicas > {report.slow_factor:g}x slower, or < {report.min_capacity_tokens_per_second:g} tok/s"

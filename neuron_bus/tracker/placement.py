@@ -3,10 +3,11 @@
 The picture of one model is its layers' capacity: the decode tokens per second the live replicas
 of each layer can carry together (a node holding k layers at t seconds per layer per token adds
 1 / (k·t) to each of them), 0 for a gap. A swarm serves a model as fast as its weakest layer, so
-placement raises the bottleneck — and, the bottleneck equal, the next weakest layer and so on
-(the sorted capacities compared lexicographically: covering a gap always beats adding to a
-covered layer, and of two gaps the larger one goes first). Ties go to ranges whose ends meet the
-seams existing ranges already have (routes then need no extra hop), then to the lower start.
+placement covers gaps first (leaving as few uncovered runs, then layers, as it can: a node at
+the head of an empty model leaves one gap, not two), then raises the bottleneck; the bottleneck
+equal, ranges whose ends meet the seams existing ranges already have win (routes then need no
+extra hop), then the next weakest layers (the sorted capacities compared lexicographically),
+then the lower start.
 
 - `choose_range`: the range a joining node should take, within what fits its memory.
 - `plan_move`: whether some node should change its range, and which. Never a move that opens a
@@ -131,7 +132,8 @@ def _ranked(
             after = capacity[:start] + [c + add for c in capacity[start:end]] + capacity[end:]
             meets = (start in seams) + (end in seams)
             gaps = sum(1 for c in after if c <= 0)
-            out.append(((-gaps, round(min(after), 6), meets, leximin(after), -start), start, end))
+            runs = sum(1 for i, c in enumerate(after) if c <= 0 and (i == 0 or after[i - 1] > 0))
+            out.append(((-runs, -gaps, round(min(after), 6), meets, leximin(after), -start), start, end))
     out.sort(key=lambda r: r[0], reverse=True)
     return out
 
@@ -144,7 +146,7 @@ def choose_range(
     ranked = _ranked(capacity, picture.seams(), picture.seconds_per_layer(), fit, loadable)
     if not ranked:
         return None
-    (_, low, meets, _, _), start, end = ranked[0]
+    (_, _, low, meets, _, _), start, end = ranked[0]
     gaps = sum(1 for c in capacity[start:end] if c <= 0)
     why = f"covers {gaps} uncovered layers" if gaps else f"raises the weakest layers' capacity to {low:.2f} tok/s"
     if meets == 2:
@@ -176,7 +178,7 @@ def plan_move(
         if not ranked:
             continue
         key, start, end = ranked[0]
-        gaps_after, low = -key[0], key[1]
+        gaps_after, low = -key[1], key[2]
         if gaps and gaps_after >= gaps:
             continue  # with layers uncovered, only a move that covers some of them
         if not gaps and low < gain * now_min - EPS:

@@ -38,7 +38,15 @@ from neuron_bus.artifacts.catalog import Catalog
 from neuron_bus.artifacts.footprint import footprint
 from neuron_bus.errors import MalformedMessage
 from neuron_bus.lease import Lease
-from neuron_bus.tracker.placement import Fit, Picture, Placed, bottleneck, choose_range, plan_move
+from neuron_bus.tracker.placement import (
+    UNMEASURED_SECONDS_PER_LAYER,
+    Fit,
+    Picture,
+    Placed,
+    bottleneck,
+    choose_range,
+    plan_move,
+)
 from neuron_bus.tracker.view import NodeView
 
 log = logging.getLogger("neuron_bus.tracker.placer")
@@ -72,39 +80,43 @@ def picture_of(
 ) -> Picture:
     """The model's live nodes, each at the range it serves or has been given and not announced yet."""
     n = manifest.cache_descriptor.n_layers
-    pic = Picture(n)
-    seen = set()
-    for v in views:
-        if v.caps.model_preset != manifest.model_preset or v.caps.n_layers_total != n:
-            continue
+    mine = [v for v in views if v.caps.model_preset == manifest.model_preset and v.caps.n_layers_total == n]
+    measured = sorted(1.0 / (v.decode_tps * v.n_layers) for v in mine if v.decode_tps and v.usable)
+    default = measured[len(measured) // 2] if measured else UNMEASURED_SECONDS_PER_LAYER
+
+    def spl(v: NodeView) -> float:  # seconds per layer per token; a node not measured yet costs the median
+        return 1.0 / (v.decode_tps * v.n_layers) if v.decode_tps else default
+
+    pic, seen = Picture(n), set()
+    for v in mine:
         d = pending.get(v.node_id)
         if d is not None and d.model_preset == manifest.model_preset and v.alive:
-            pic.nodes.append(Placed(v.node_id, d.layer_start, d.layer_end, _seconds_per_layer(v), d.decided_at))
+            pic.nodes.append(Placed(v.node_id, d.layer_start, d.layer_end, spl(v), d.decided_at))
             seen.add(v.node_id)
         elif v.usable:
-            pic.nodes.append(Placed(v.node_id, v.layer_start, v.layer_end, _seconds_per_layer(v), v.caps.started_at))
+            pic.nodes.append(Placed(v.node_id, v.layer_start, v.layer_end, spl(v), v.caps.started_at))
             seen.add(v.node_id)
-    default = pic.seconds_per_layer()
     for d in pending.values():  # given a range, still loading: it will be there
         if d.node_id not in seen and d.model_preset == manifest.model_preset:
             pic.nodes.append(Placed(d.node_id, d.layer_start, d.layer_end, default, d.decided_at))
     return pic
 
 
-def _seconds_per_layer(v: NodeView) -> float:
-    return 1.0 / (v.decode_tps * v.n_layers) if v.decode_tps else 0.0
-
-
 class Placer:
     def __init__(
-        self, nc, views: Callable[[], Sequence[NodeView]], tracker_id: str, params: PlacementParams | None = None
+        self,
+        nc,
+        views: Callable[[], Sequence[NodeView]],
+        tracker_id: str,
+        lease: Lease,
+        params: PlacementParams | None = None,
     ):
         self.nc, self.js = nc, nc.jetstream()
         self.views = views
         self.tracker_id = tracker_id
         self.params = params or PlacementParams()
         self.catalog = Catalog(self.js)
-        self.lease = Lease(self.js, S.KV_LEASES, "placement", holder=tracker_id)
+        self.lease = lease  # started and stopped by its owner (the tracker service)
         self.decisions: deque[M.PlacementDecision] = deque(maxlen=KEEP_DECISIONS)
         self._lock = asyncio.Lock()
         self._kv: KeyValue | None = None
@@ -113,7 +125,6 @@ class Placer:
 
     async def start(self) -> None:
         self._kv = await self.js.key_value(S.KV_PLACEMENTS)
-        await self.lease.start()
         self._sub = await self.nc.subscribe(S.TRACKER_PLACE, cb=self._on_request)
         self._task = asyncio.create_task(self._loop(), name="placement")
 
@@ -123,7 +134,6 @@ class Placer:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._sub is not None:
             await self._sub.unsubscribe()
-        await self.lease.stop()
 
     # ------------------------------------------------------------------ joining nodes
 

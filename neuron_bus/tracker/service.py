@@ -64,6 +64,7 @@ from neuron_bus.ping import ping_many
 from neuron_bus.tracker.coverage import assemble, group_speeds
 from neuron_bus.tracker.latency import PingSampler
 from neuron_bus.tracker.params import TrackerParams
+from neuron_bus.tracker.placer import Placer
 from neuron_bus.tracker.planner import Plan, Rejection, plan_indexed, plan_route, to_assignment, to_rejection
 from neuron_bus.tracker.registry import RTT_SAMPLES, Registry
 from neuron_bus.tracker.speed import GroupSpeed
@@ -113,6 +114,7 @@ class TrackerService:
         self._in_flight = asyncio.Semaphore(IN_FLIGHT)
         self._coverage: dict[tuple, tuple[float, float, bytes]] = {}  # request kind -> (built at, cost, report)
         self.placement: Lease | None = None
+        self.placer: Placer | None = None  # joining --layers auto nodes, and moves (holder of the lease only)
         self.trust = TrackerTrust(nc, params.audit_rate)  # replay sampling, audit flags
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -146,9 +148,11 @@ class TrackerService:
         self.placement = Lease(js, S.KV_LEASES, PLACEMENT_LEASE, holder=f"tracker-{self.tracker_id}")
         try:
             await self.placement.start()
-        except LeaseError as exc:
-            log.warning("no placement lease (%s): this tracker never makes placement decisions", exc)
-            self.placement = None
+            self.placer = Placer(self.nc, self._views, self.tracker_id, self.placement)
+            await self.placer.start()
+        except (LeaseError, jserr.NotFoundError, jserr.BucketNotFoundError) as exc:
+            log.warning("no placement (%s): this tracker never makes placement decisions", exc)
+            self.placement = self.placer = None
         log.info("tracker %s started: %d node report(s) from %s", self.tracker_id, len(self.registry), S.KV_NODES)
 
     async def stop(self) -> None:
@@ -158,6 +162,8 @@ class TrackerService:
             except nats.errors.Error:
                 pass
         self._subs = []
+        if self.placer is not None:
+            await self.placer.stop()
         if self.placement is not None:
             await self.placement.stop()
         await self.trust.stop()
@@ -424,6 +430,8 @@ class TrackerService:
             req.nodes,
             req.replicas,
         )
+        if self.placer is not None:
+            report.placements = list(self.placer.decisions)
         data = messages.encode(report)
         self._coverage[key] = (t0, _mono() - t0, data)
         return data

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nats.errors import Error as NatsError
+
 from neuron_bus import messages as M
 from neuron_bus import models
 from neuron_bus import subjects as S
@@ -105,7 +107,7 @@ async def ask_for_range(nc, req: M.PlacementRequest, wait_s: float = PLACEMENT_W
         try:
             msg = await nc.request(S.TRACKER_PLACE, M.encode(req), timeout=5.0)
             reply = M.decode(msg.data, M.PlacementReply)
-        except (TimeoutError, MalformedMessage, Exception) as exc:
+        except (TimeoutError, NatsError, MalformedMessage) as exc:  # no tracker (yet), or not the lease holder
             if time.monotonic() > deadline:
                 raise ArtifactError("no_tracker", f"no tracker placed this node within {wait_s:.0f}s ({exc})") from None
             await asyncio.sleep(1.0)
