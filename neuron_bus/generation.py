@@ -26,10 +26,11 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import RouteError
 from neuron_bus.flow import publish
+from neuron_bus.ping import ping
 from neuron_bus.repair import repair as repair_route
 from neuron_bus.routes import hop_header
 from neuron_bus.telemetry import GenerationProgress
-from neuron_bus.timing import HEARTBEAT_LOSS_S
+from neuron_bus.timing import heartbeat_loss_s
 
 STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route is considered dead
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
@@ -82,6 +83,7 @@ class GenerationRun:
         self.heartbeat_subs: list = []  # the current route's nodes' heartbeats (the watcher's)
         self.generated: list[int] = []  # token ids delivered, in order
         self.lost: set[str] = set()
+        self.rtt: dict[str, float] = {}  # node -> seconds: a ping's round trip, once the session opened there
         self.retries = self.repairs = 0
 
     @property
@@ -191,13 +193,15 @@ class GenerationRun:
         """Open the session on every hop at once (a WAN makes each request cost a round trip)."""
         hops = self.live_route.hops
         tail = len(hops) - 1
-        results = await asyncio.gather(
-            *(
-                self.client.control(h.node_id, self._session_open(i, prompt=list(self.tokens) if i == tail else None))
-                for i, h in enumerate(hops)
-            ),
-            return_exceptions=True,
-        )
+
+        async def open_hop(i: int, node: str):
+            reply = await self.client.control(
+                node, self._session_open(i, prompt=list(self.tokens) if i == tail else None)
+            )
+            self.rtt[node] = await ping(self.client.nc, node, timeout=5.0) or 0.0  # for its liveness watch
+            return reply
+
+        results = await asyncio.gather(*(open_hop(i, h.node_id) for i, h in enumerate(hops)), return_exceptions=True)
         self.opened += [h.node_id for h, r in zip(hops, results) if not isinstance(r, BaseException)]
         for r in results:
             if isinstance(r, BaseException):
@@ -243,7 +247,7 @@ class GenerationRun:
                 await asyncio.sleep(LIVENESS_CHECK_S)
                 now = time.monotonic()
                 for node, at in seen.items():
-                    if now - at > HEARTBEAT_LOSS_S:
+                    if now - at > heartbeat_loss_s(self.rtt.get(node)):
                         self.queue.put_nowait(("lost", (node, now - at)))
                         return
 

@@ -1,8 +1,9 @@
 """The bus's coupled timings, defined once.
 
 A worker heartbeats every `HEARTBEAT_INTERVAL_S`; a client watching its route calls a node lost
-after `HEARTBEAT_LOSS_S` of silence (a few missed beats, so one late beat does not fail a
-session); the tracker stops routing to a node after `NODE_EXPIRY_S`, so a retry that avoids the
+after `heartbeat_loss_s(rtt)` of silence: `HEARTBEAT_LOSS_S` (a few missed beats, so one late beat
+does not fail a session) plus four of its measured round trips to that node (a WAN link's delay
+and jitter delay beats too); the tracker stops routing to a node after `NODE_EXPIRY_S`, so a retry that avoids the
 lost node for `AVOID_LOST_S` outlasts the tracker's view of it. An activation nobody acknowledged
 is redelivered after `ACK_WAIT_S`, far beyond any of these: redelivery is a last resort, failures
 are detected by heartbeats.
@@ -12,6 +13,13 @@ from __future__ import annotations
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LOSS_S = 3 * HEARTBEAT_INTERVAL_S
+LOSS_RTT_FACTOR = 4.0  # over a slow link, beats arrive later and less evenly: room for four round trips
 NODE_EXPIRY_S = 5 * HEARTBEAT_INTERVAL_S
 AVOID_LOST_S = NODE_EXPIRY_S + 3.0
 ACK_WAIT_S = 120.0
+
+
+def heartbeat_loss_s(rtt_s: float | None = None) -> float:
+    """Silence after which a route's node is lost, for a node ``rtt_s`` away (measured by the client:
+    its session open's round trip): 3 s on a LAN, 3.4 s over a 50 ms link, 3.8 s over 100 ms."""
+    return HEARTBEAT_LOSS_S + LOSS_RTT_FACTOR * (rtt_s or 0.0)

@@ -114,6 +114,15 @@ def test_link_partitioned_2s_mid_decode_loses_and_repeats_nothing(star25, refere
     assert deltas[-1].finished
 
 
+def test_100ms_of_jitter_on_every_link_does_not_fail_a_session(star25, reference):
+    star25.shape_all(delay_ms=DELAY_MS, jitter_ms=100.0)
+    try:
+        ids = reference.tokenizer.encode(PROMPT)
+        assert asyncio.run(asyncio.wait_for(tokens_of(star25.link_url("client"), ids), 300)) == reference(ids, N_TOKENS)
+    finally:
+        star25.shape_all(delay_ms=DELAY_MS, jitter_ms=0.0)
+
+
 def test_link_partitioned_15s_fails_explicitly_in_bounded_time_then_recovers(star25, reference):
     ids = reference.tokenizer.encode(PROMPT)
     deltas, error, after = asyncio.run(
@@ -149,6 +158,39 @@ def test_eight_sessions_over_25ms_links_first_tokens_within_2s(star25, reference
     firsts = asyncio.run(asyncio.wait_for(scenario(), 300))
     assert len(firsts) == 8
     assert firsts[-1] - firsts[0] <= 2.0, f"first tokens at {[round(f, 2) for f in firsts]} s"
+
+
+def test_routes_use_the_replica_behind_the_short_link_then_the_other_when_it_dies(smollm2_path, tmp_path, reference):
+    """Two replicas of the tail behind 5 ms and 80 ms links: the tracker's pings see the difference."""
+    swarm = StarSwarm(smollm2_path, ranges=[(0, 19), (19, 30), (19, 30)], delay_ms=0.0, workdir=tmp_path)
+    with swarm:
+        swarm.shape_all(["worker-1"], delay_ms=5.0)
+        swarm.shape_all(["worker-2"], delay_ms=80.0)
+        client_url = swarm.link_url("client")
+
+        async def rtts() -> dict[str, float | None]:
+            async with await NeuronClient.connect(client_url) as c:
+                return {n.node_id: n.rtt_ms for n in (await c.coverage(swarm.preset)).nodes if n.alive}
+
+        async def tails(k: int) -> list[str]:
+            async with await NeuronClient.connect(client_url) as c:
+                return [(await c.route(swarm.preset)).hops[-1].node_id for _ in range(k)]
+
+        deadline = time.monotonic() + 60
+        while True:  # the tracker pings its nodes every few seconds: wait until both tails are measured
+            seen = asyncio.run(rtts())
+            if seen.get("worker-1") and seen.get("worker-2") and seen["worker-2"] > seen["worker-1"] + 100:
+                break
+            assert time.monotonic() < deadline, f"round trips not measured: {seen}"
+            time.sleep(1)
+        assert asyncio.run(tails(3)) == ["worker-1"] * 3  # 2 x 75 ms more per token outweighs the load
+        swarm.kill("worker-1")
+        deadline = time.monotonic() + 30
+        while (tail := asyncio.run(tails(1))[0]) != "worker-2":
+            assert time.monotonic() < deadline, f"routes still end at {tail}"
+            time.sleep(1)
+        ids = reference.tokenizer.encode(PROMPT)
+        assert asyncio.run(tokens_of(client_url, ids)) == reference(ids, N_TOKENS)
 
 
 # ------------------------------------------------------------------------------ regions
