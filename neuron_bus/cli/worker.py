@@ -22,8 +22,8 @@ from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFMode
 from neuron_bus.artifacts.work import owned_layer_work
 from neuron_bus.cli.app import NatsOption, app, fail
 from neuron_bus.execution import DEFAULT_N_CTX, BackendError, open_range, open_tokenizer
-from neuron_bus.subjects import check_token
-from neuron_bus.topology import connect, ensure_topology
+from neuron_bus.subjects import PUBLIC_OWNER, check_token
+from neuron_bus.topology import connect, ensure_topology, identity_of, owner_of
 from neuron_bus.trust import fault as faults
 from neuron_bus.worker.service import WorkerOptions
 
@@ -128,7 +128,14 @@ async def serve(url: str, backend, tokenizer, report: M.CapabilityReport, option
     from neuron_bus.worker.service import WorkerService
 
     nc = await connect(url, name=f"neuron-worker-{report.node_id}")
-    await ensure_topology(nc.jetstream())
+    identity = identity_of(nc)
+    if identity is not None and identity.name != report.node_id:
+        await nc.close()
+        raise ValueError(f"this credential is node {identity.name}'s, not {report.node_id}'s (--node-id)")
+    if options.require_keys is None:  # auto: a node on an authenticated bus requires session keys
+        options.require_keys = identity is not None or owner_of(nc) != PUBLIC_OWNER
+    if identity is None:  # a per-node credential may not create streams: `neuron-bus server` provisions
+        await ensure_topology(nc.jetstream())
     service = WorkerService(nc, backend, tokenizer, report, options)
     if metrics_port:
         service.metrics.serve(metrics_port)
@@ -176,6 +183,10 @@ def worker(
     snapshot_nats: str = typer.Option(
         None, help="Cache server holding the neuron-snapshots bucket (default: the bus)."
     ),
+    session_keys: str = typer.Option(
+        "auto",
+        help="required | optional | auto: refuse sessions without link keys (auto: required on an authenticated bus).",
+    ),
 ) -> None:
     """Load a layer range of a GGUF model and serve every route assigned to it."""
     if (model is None) == (artifact is None):
@@ -189,6 +200,8 @@ def worker(
         fail(str(exc))
     if snapshot_every < 0:
         fail("--snapshot-every must be 0 (off) or positive")
+    if session_keys not in ("required", "optional", "auto"):
+        fail("--session-keys must be required, optional or auto")
     opts = (
         {"dtype": dtype}
         if backend == "torch"
@@ -203,8 +216,11 @@ def worker(
     options = WorkerOptions(
         idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms, snapshot_every=snapshot_every,
         snapshot_url=snapshot_nats, owned_layer_work=sum(per_layer), fault=fault,
+        require_keys={"required": True, "optional": False}.get(session_keys),
     )  # fmt: skip
     try:
         asyncio.run(serve(nats, be, tok, report, options, metrics_port))
+    except ValueError as exc:
+        fail(str(exc))
     finally:
         be.close()

@@ -247,9 +247,10 @@ def _key(option: tuple[float, tuple[NodeView, ...]]):
 # -- messages ---------------------------------------------------------------------------------
 
 
-def hop_subject(route_id: str, index: int) -> str:
-    """The base subject of a hop; workers append ``.prefill`` / ``.decode`` (subjects.hop_input)."""
-    return f"{S.ROOT}.act.{S.check_token(route_id, 'route id')}.{int(index)}"
+def hop_subject(route_id: str, index: int, node_id: str) -> str:
+    """The base subject of a hop, keyed by the node serving it; workers append ``.prefill`` /
+    ``.decode`` (subjects.hop_input)."""
+    return S.hop_base(node_id, route_id, index)
 
 
 def to_assignment(plan: Plan, req: RouteRequest, route_id: str, now: float) -> RouteAssignment:
@@ -263,7 +264,7 @@ def to_assignment(plan: Plan, req: RouteRequest, route_id: str, now: float) -> R
                 node_id=h.node_id,
                 layer_start=h.layer_start,
                 layer_end=h.layer_end,
-                subject=hop_subject(route_id, i),
+                subject=hop_subject(route_id, i, h.node_id),
                 backend_id=h.caps.backend_id,
                 cache_abi=h.caps.cache_abi,
                 trust_tier=h.caps.trust_tier,

@@ -1,7 +1,8 @@
 """A worker's control plane: the requests on ``neuron.node.<id>.ctl``, one handler each.
 
 Ping (latency probes), SessionsQuery (`neuron-bus sessions`), TokenizeRequest (the head tokenizes
-prompts and applies the chat template), SessionOpen / SessionResume / SessionClose (lifecycle.py).
+prompts and applies the chat template), SessionOpen / SessionResume / SessionClose (lifecycle.py; closing and moving a session need its
+client's proof, engine.py).
 Every failure is an explicit `ControlError` reply naming its reason, never silence.
 """
 
@@ -47,6 +48,7 @@ class ControlPlane:
         if isinstance(req, M.SessionResume):
             return await self.lifecycle.resume(req)
         if isinstance(req, M.SessionClose):
+            self.lifecycle.engine.check_close(req)
             freed = await self.lifecycle.close(req.session_id)
             return M.SessionClosed(session_id=req.session_id, node_id=self.node_id, freed_bytes=freed)
         raise ValueError(f"unsupported control request {type(req).__name__}")
