@@ -10,11 +10,18 @@ import pytest
 
 from neuron_bus import codec
 from neuron_bus import messages as M
-from neuron_bus.errors import NeuronBusError
+from neuron_bus.errors import NeuronBusError, SessionMismatch
 from neuron_bus.routes import hop_header
 from neuron_bus.trust import sealing
 from neuron_bus.worker.engine import Incoming, Output
-from tests.test_engine import N_CTX, PROMPT, Route, greedy, tiny  # noqa: F401  (fixture)
+from tests.test_engine import N_CTX, PROMPT, Route, greedy
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.gguf_factory import TinyLlama, write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("security") / "tiny.gguf", TinyLlama(quant="F32"))
 
 
 class KeyedRoute(Route):
@@ -118,7 +125,7 @@ def test_hop_outputs_are_signed_with_the_next_links_key(keyed):
     header = codec.decode_header(send.headers)
     assert send.subject == "neuron.act.n1.r1.1.prefill"  # keyed by the receiving node
     body = sealing.verify(header, send.body, keys[1], keyed.encrypt)  # link 1's key, not link 0's
-    with pytest.raises(Exception):
+    with pytest.raises(SessionMismatch):
         sealing.verify(header, send.body, keys[0], keyed.encrypt)
     if keyed.encrypt:  # the hidden states are not on the wire in the clear
         x = codec.decode_body(header, body)
@@ -154,7 +161,7 @@ def test_keys_are_required_and_only_the_opener_may_reopen_close_or_move_a_sessio
     assert e.check_resume(resume) is e.sessions.get("a")
 
 
-def test_snapshots_are_sealed_under_the_hops_key(tiny):
+def test_snapshots_are_sealed_under_the_hops_key():
     meta = M.SnapshotMeta(
         generation_id="g",
         session_id="a",
