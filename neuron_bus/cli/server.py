@@ -62,6 +62,16 @@ def security(auth: Path | None, tls_cert: Path | None, tls_key: Path | None, tls
     return extra, connect_opts
 
 
+def operator_config(authority: Path, store_dir: Path) -> str:
+    """The server config trusting ``authority``'s operator, its resolver beside the JetStream store."""
+    from neuron_bus.trust.identity import Authority
+
+    a = Authority(authority)
+    if not a.exists:
+        fail(f"no authority in {authority}: run `neuron-bus credentials init --dir {authority}` first")
+    return a.server_config(store_dir.resolve() / "jwt")
+
+
 def admin_url(url: str, password_file: Path | None) -> str:
     """With --auth, provisioning connects as the admin role."""
     import json
@@ -116,9 +126,19 @@ def server(
     tls_ca: Path = typer.Option(
         None, "--tls-ca", help="CA to verify the server with when provisioning (default: the cert)."
     ),
+    operator: Path = typer.Option(
+        None,
+        "--operator",
+        help="Per-node credentials: trust this authority (`neuron-bus credentials init`); admit and revoke without restarts.",
+    ),
 ) -> None:
     """Start the embedded nats-server with JetStream; stop cleanly on SIGINT/SIGTERM."""
     extra, connect_opts = security(auth, tls_cert, tls_key, tls_ca)
+    if operator is not None:
+        if auth is not None:
+            fail("give --auth (users per role) or --operator (per-node credentials), not both")
+        extra.append(operator_config(operator, store_dir))
+        connect_opts["creds"] = str(operator / "creds" / "admin.creds")
     cfg = ServerConfig(
         store_dir=store_dir.resolve(),
         host=host,
