@@ -12,6 +12,7 @@ The client is only in the loop for the prompt: decode runs as a ring (tail -> ho
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -53,6 +54,7 @@ class Generation:
 
 
 CONTROL_TIMEOUT_S = 30.0
+ENCRYPT_ENV = "NEURON_ENCRYPT_ACTIVATIONS"
 
 
 class NeuronClient:
@@ -81,6 +83,9 @@ class NeuronClient:
     async def connect(
         cls, url: str, queue_limit: int = DEFAULT_QUEUE_LIMIT, creds: str | None = None, **security
     ) -> NeuronClient:
+        """``security``: ``authenticate``, ``encrypt_activations`` (default: env ``NEURON_ENCRYPT_ACTIVATIONS``,
+        which ``generate --encrypt-activations`` and ``gateway --encrypt-activations`` set)."""
+        security.setdefault("encrypt_activations", os.environ.get(ENCRYPT_ENV, "") == "1")
         return cls(await connect(url, name="neuron-bus-client", creds=creds), url, queue_limit, **security)
 
     async def close(self) -> None:

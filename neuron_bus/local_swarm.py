@@ -27,6 +27,7 @@ from neuron_bus.models import preset_for
 from neuron_bus.natsserver import NatsServer, ServerConfig, check_ports_free, free_port, log_tail
 from neuron_bus.split import model_split
 from neuron_bus.topology import connect, ensure_topology
+from neuron_bus.trust.identity import Authority
 
 
 def cli() -> list[str]:
@@ -113,16 +114,10 @@ class LocalSwarm:
 
             auth = render(credentials)
         # per-process credentials (decentralized auth): every process its own, the server trusting the operator
-        self.authority = None
+        self.authority: Authority | None = None
         self.creds: dict[str, Path] = {}  # process or client name -> its .creds file
         if identity:
-            from neuron_bus.trust.identity import Authority
-
-            if cluster != 1:
-                raise ValueError("LocalSwarm(identity=True) runs one server")
-            self.authority = Authority(self.workdir / "authority").init()
-            self.creds["admin"] = self.authority.issue("admin", "admin")
-            auth = self.authority.server_config(self.workdir / "jwt")
+            auth = self._init_authority(cluster)
         self.servers = self._make_servers(cluster, nats_port, http_port, auth)
         self.replicas = len(self.servers)  # copies of every stream and bucket
         self.prefill_window = prefill_window
@@ -157,6 +152,14 @@ class LocalSwarm:
     def url(self) -> str:
         """The bus for this process (as admin when the swarm runs with credentials)."""
         return self.role_url("admin")
+
+    def _init_authority(self, cluster: int) -> str:
+        """An operator for this swarm, its admin credential, and the server config trusting it."""
+        if cluster != 1:
+            raise ValueError("LocalSwarm(identity=True) runs one server")
+        self.authority = Authority(self.workdir / "authority").init()
+        self.creds["admin"] = self.authority.issue("admin", "admin")
+        return self.authority.server_config(self.workdir / "jwt")
 
     def issue(self, name: str, role: str) -> Path:
         """A credential of its own for ``name`` (a node id, a client's name) in ``role`` (identity swarms)."""

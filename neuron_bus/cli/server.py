@@ -43,11 +43,24 @@ def wait_for_signal() -> int:
     return received[0]
 
 
-def security(auth: Path | None, tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None):
-    """The config blocks for --auth and TLS, and the options provisioning connects with."""
+def security(
+    auth: Path | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    tls_ca: Path | None,
+    operator: Path | None = None,
+    store_dir: Path = Path("data/nats"),
+):
+    """The config blocks for --auth or --operator and TLS, and the options provisioning connects with."""
     from neuron_bus.trust.permissions import tls_block
 
-    extra, connect_opts = [], {}
+    extra: list[str] = []
+    connect_opts: dict = {}
+    if operator is not None:
+        if auth is not None:
+            fail("give --auth (users per role) or --operator (per-node credentials), not both")
+        extra.append(operator_config(operator, store_dir))
+        connect_opts["creds"] = str(operator / "creds" / "admin.creds")
     if auth is not None:
         if not auth.is_file():
             fail(f"no such auth file: {auth}")
@@ -133,12 +146,7 @@ def server(
     ),
 ) -> None:
     """Start the embedded nats-server with JetStream; stop cleanly on SIGINT/SIGTERM."""
-    extra, connect_opts = security(auth, tls_cert, tls_key, tls_ca)
-    if operator is not None:
-        if auth is not None:
-            fail("give --auth (users per role) or --operator (per-node credentials), not both")
-        extra.append(operator_config(operator, store_dir))
-        connect_opts["creds"] = str(operator / "creds" / "admin.creds")
+    extra, connect_opts = security(auth, tls_cert, tls_key, tls_ca, operator, store_dir)
     cfg = ServerConfig(
         store_dir=store_dir.resolve(),
         host=host,

@@ -183,10 +183,7 @@ def worker(
     snapshot_nats: str = typer.Option(
         None, help="Cache server holding the neuron-snapshots bucket (default: the bus)."
     ),
-    session_keys: str = typer.Option(
-        "auto",
-        help="required | optional | auto: refuse sessions without link keys (auto: required on an authenticated bus).",
-    ),
+    session_keys: str = typer.Option("auto", help="Sessions without link keys: required | optional | auto."),
 ) -> None:
     """Load a layer range of a GGUF model and serve every route assigned to it."""
     if (model is None) == (artifact is None):
@@ -198,10 +195,8 @@ def worker(
         tier = trust_tiers(trust_tier)
     except ValueError as exc:
         fail(str(exc))
-    if snapshot_every < 0:
-        fail("--snapshot-every must be 0 (off) or positive")
-    if session_keys not in ("required", "optional", "auto"):
-        fail("--session-keys must be required, optional or auto")
+    if snapshot_every < 0 or session_keys not in ("required", "optional", "auto"):
+        fail("--snapshot-every must be 0 (off) or positive; --session-keys required, optional or auto")
     opts = (
         {"dtype": dtype}
         if backend == "torch"
@@ -218,9 +213,14 @@ def worker(
         snapshot_url=snapshot_nats, owned_layer_work=sum(per_layer), fault=fault,
         require_keys={"required": True, "optional": False}.get(session_keys),
     )  # fmt: skip
+    run_worker(nats, be, tok, report, options, metrics_port)
+
+
+def run_worker(url: str, be, tok, report: M.CapabilityReport, options: WorkerOptions, metrics_port: int | None) -> None:
+    """Serve until SIGINT/SIGTERM (auto --session-keys: required on an authenticated bus); close the backend."""
     try:
-        asyncio.run(serve(nats, be, tok, report, options, metrics_port))
-    except ValueError as exc:
+        asyncio.run(serve(url, be, tok, report, options, metrics_port))
+    except ValueError as exc:  # a credential of another node
         fail(str(exc))
     finally:
         be.close()
