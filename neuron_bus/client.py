@@ -12,6 +12,7 @@ The client is only in the loop for the prompt: decode runs as a ring (tail -> ho
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -25,7 +26,7 @@ from neuron_bus.errors import RouteError
 from neuron_bus.generation import PREFILL_RETRIES, STALL_TIMEOUT_S, GenerationRun  # noqa: F401  (re-exported)
 from neuron_bus.models import DEFAULT_PRESET
 from neuron_bus.timing import AVOID_LOST_S
-from neuron_bus.topology import connect
+from neuron_bus.topology import connect, owner_of
 
 
 @dataclass
@@ -53,18 +54,39 @@ class Generation:
 
 
 CONTROL_TIMEOUT_S = 30.0
+ENCRYPT_ENV = "NEURON_ENCRYPT_ACTIVATIONS"
 
 
 class NeuronClient:
-    def __init__(self, nc, url: str = "", queue_limit: int = DEFAULT_QUEUE_LIMIT):
+    """``authenticate``: give every session fresh link keys (MACs on every activation, proofs for
+    close and resume; trust/sealing.py); ``encrypt_activations``: seal activation bodies and
+    snapshots too (AEAD). The client's sessions are owned by its credential's name (`owner`)."""
+
+    def __init__(
+        self,
+        nc,
+        url: str = "",
+        queue_limit: int = DEFAULT_QUEUE_LIMIT,
+        *,
+        authenticate: bool = True,
+        encrypt_activations: bool = False,
+    ):
         self.nc = nc
         self.js = nc.jetstream()
         self.url = url
         self.admission = Admission(queue_limit)  # generations waiting for a free session slot
+        self.owner = owner_of(nc)
+        self.authenticate = authenticate or encrypt_activations
+        self.encrypt_activations = encrypt_activations
 
     @classmethod
-    async def connect(cls, url: str, queue_limit: int = DEFAULT_QUEUE_LIMIT) -> NeuronClient:
-        return cls(await connect(url, name="neuron-bus-client"), url, queue_limit)
+    async def connect(
+        cls, url: str, queue_limit: int = DEFAULT_QUEUE_LIMIT, creds: str | None = None, **security
+    ) -> NeuronClient:
+        """``security``: ``authenticate``, ``encrypt_activations`` (default: env ``NEURON_ENCRYPT_ACTIVATIONS``,
+        which ``generate --encrypt-activations`` and ``gateway --encrypt-activations`` set)."""
+        security.setdefault("encrypt_activations", os.environ.get(ENCRYPT_ENV, "") == "1")
+        return cls(await connect(url, name="neuron-bus-client", creds=creds), url, queue_limit, **security)
 
     async def close(self) -> None:
         await self.nc.drain()

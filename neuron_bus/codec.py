@@ -30,6 +30,7 @@ ENCODINGS = ("raw", "zstd")
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
 
 _FIELDS = ActivationHeader.__struct_fields__
+_OPTIONAL = {"encoding", "mac"}  # encoding defaults to raw; mac is absent on unauthenticated sessions
 _INT_FIELDS = {"layer_start", "layer_end", "position", "seq"}
 _compressor = zstandard.ZstdCompressor(level=1)
 
@@ -49,6 +50,8 @@ def _header_to_nats(h: ActivationHeader) -> dict[str, str]:
     out = {}
     for name in _FIELDS:
         value = getattr(h, name)
+        if name == "mac" and not value:
+            continue
         out[name] = ",".join(str(int(d)) for d in value) if name == "shape" else str(value)
     return out
 
@@ -59,8 +62,8 @@ def _header_from_nats(headers: dict[str, str] | None) -> ActivationHeader:
     raw: dict[str, object] = {}
     for name in _FIELDS:
         if name not in headers:
-            if name == "encoding":
-                continue  # defaults to raw
+            if name in _OPTIONAL:
+                continue
             raise MalformedMessage("missing_header", f"activation header {name!r} is missing")
         value = headers[name]
         try:
@@ -120,7 +123,17 @@ def decode(
     headers: dict[str, str] | None, body: bytes, *, max_body: int = DEFAULT_MAX_BODY
 ) -> tuple[ActivationHeader, np.ndarray]:
     """Decode and validate; return the header and a float32 (or int32 for i32) array."""
-    header = _header_from_nats(headers)
+    header = decode_header(headers)
+    return header, decode_body(header, body, max_body=max_body)
+
+
+def decode_header(headers: dict[str, str] | None) -> ActivationHeader:
+    """The validated state key and tensor description of an activation (its body untouched)."""
+    return _header_from_nats(headers)
+
+
+def decode_body(header: ActivationHeader, body: bytes, *, max_body: int = DEFAULT_MAX_BODY) -> np.ndarray:
+    """The tensor of a body ``header`` describes (after any MAC check and unsealing)."""
     if len(body) > max_body:
         raise MalformedMessage("oversized", f"activation body of {len(body)} bytes exceeds the limit of {max_body}")
     dtype = DTYPES[header.dtype]
@@ -148,4 +161,4 @@ def decode(
     array = np.frombuffer(body, dtype=dtype).reshape(header.shape)
     if header.dtype == "bf16":
         array = bf16_to_f32(array)
-    return header, array
+    return array

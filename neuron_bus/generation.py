@@ -31,6 +31,7 @@ from neuron_bus.repair import repair as repair_route
 from neuron_bus.routes import hop_header
 from neuron_bus.telemetry import GenerationProgress
 from neuron_bus.timing import heartbeat_loss_s
+from neuron_bus.trust import sealing
 
 STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route is considered dead
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
@@ -74,7 +75,9 @@ class GenerationRun:
         self.prompt, self.messages, self.prompt_tokens = prompt, messages, prompt_tokens
         self.prefill_retries, self.repair = prefill_retries, repair
         self.session_id = uuid.uuid4().hex
-        self.progress = GenerationProgress(self.session_id, "", model_preset, [], 0)
+        self.owner = client.owner
+        self.progress = GenerationProgress(self.session_id, "", model_preset, [], 0, owner=self.owner)
+        self.keys: list[str] = []  # link key of each hop's input, fresh for this session (trust/sealing.py)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.subs: list = []
         self.opened: list[str] = []  # nodes holding the session
@@ -103,7 +106,7 @@ class GenerationRun:
     async def events(self) -> AsyncIterator[M.TokenDelta | M.GenerationTelemetry]:
         nc = self.client.nc
         for kind, subject in session_events.SUBJECTS:
-            self.subs.append(await nc.subscribe(subject(self.session_id), cb=self._into_queue(kind)))
+            self.subs.append(await nc.subscribe(subject(self.owner, self.session_id), cb=self._into_queue(kind)))
         try:
             await self._publish_progress()  # comes back through the subscription
             need_start = True
@@ -207,6 +210,23 @@ class GenerationRun:
             if isinstance(r, BaseException):
                 raise r
 
+    def key(self, hop_index: int) -> str:
+        """The link key into hop ``hop_index`` ("" for an unauthenticated session)."""
+        if not self.client.authenticate:
+            return ""
+        while len(self.keys) <= hop_index:
+            self.keys.append(sealing.new_key())
+        return self.keys[hop_index]
+
+    def hop_keys(self, route: M.RouteAssignment, hop_index: int) -> dict:
+        """The keys a hop's SessionOpen carries: its input link's, and the link it feeds (the ring at the tail)."""
+        out = (hop_index + 1) % len(route.hops)
+        return {
+            "input_key": self.key(hop_index),
+            "output_key": self.key(out),
+            "encrypt": self.client.encrypt_activations,
+        }
+
     def _session_open(self, hop_index: int, prompt: list[int] | None) -> M.SessionOpen:
         n = len(self.tokens)
         return M.SessionOpen(
@@ -218,6 +238,8 @@ class GenerationRun:
             chunk_size=self.chunk_size,
             sampling=self.sampling,
             prompt=prompt,  # the tail writes it into the validation event
+            owner=self.owner,
+            **self.hop_keys(self.live_route, hop_index),
         )
 
     async def _follow_route(self) -> None:
@@ -256,10 +278,14 @@ class GenerationRun:
     async def _send_prompt(self, tokens: list[int], start: int = 0) -> None:
         """Send positions [start, len(tokens)) to hop 0 in chunks (the prompt, or a repair's replay)."""
         ids = np.asarray(tokens, dtype=np.int32)
-        subject = S.hop_input(self.live_route.route_id, 0, "prefill")
+        route = self.live_route
+        subject = S.hop_input(route.hops[0].node_id, route.route_id, 0, "prefill")
+        key, encrypt = self.key(0), self.client.encrypt_activations
         for seq, lo in enumerate(range(start, len(ids), self.chunk_size)):
-            header = hop_header(self.live_route, 0, self.session_id, lo, "prefill", seq, "i32")
+            header = hop_header(route, 0, self.session_id, lo, "prefill", seq, "i32")
             headers, body = codec.encode(header, ids[lo : lo + self.chunk_size])
+            if key:
+                headers, body = sealing.seal(header, headers, body, key, encrypt)
             await publish(self.client.js, subject, body, headers)
 
     # ------------------------------------------------------------------ events
@@ -313,7 +339,14 @@ class GenerationRun:
         spec = self._session_open(0, prompt=list(self.tokens))
         try:
             self.route, start, node = await repair_route(
-                self.client, self.live_route, exc.node_id, spec, list(self.generated), self.repairs, self.lost
+                self.client,
+                self.live_route,
+                exc.node_id,
+                spec,
+                list(self.generated),
+                self.repairs,
+                self.lost,
+                keys=self.hop_keys,
             )
         except RouteError as failed:
             raise RouteError(
@@ -340,8 +373,17 @@ class GenerationRun:
         """Free the session on every hop that holds it, all at once; a node that is gone took its cache with it."""
         if not self.opened:
             return
-        close = M.SessionClose(session_id=self.session_id, route_id=self.live_route.route_id)
-        await asyncio.gather(*(self.client.control(n, close, timeout=5) for n in self.opened), return_exceptions=True)
+        route = self.live_route
+        index = {h.node_id: i for i, h in enumerate(route.hops)}
+
+        def close(node: str) -> M.SessionClose:  # proven with the hop's input key: only this client can close it
+            key = self.key(index[node]) if node in index else ""
+            proof = sealing.LinkKey.parse(key).proof("close", self.session_id) if key else ""
+            return M.SessionClose(session_id=self.session_id, route_id=route.route_id, proof=proof)
+
+        await asyncio.gather(
+            *(self.client.control(n, close(n), timeout=5) for n in self.opened), return_exceptions=True
+        )
         self.opened.clear()
         self.client.admission.released()  # a generation waiting for a slot may try now
 

@@ -27,6 +27,7 @@ from neuron_bus.models import preset_for
 from neuron_bus.natsserver import NatsServer, ServerConfig, check_ports_free, free_port, log_tail
 from neuron_bus.split import model_split
 from neuron_bus.topology import connect, ensure_topology
+from neuron_bus.trust.identity import Authority
 
 
 def cli() -> list[str]:
@@ -98,6 +99,7 @@ class LocalSwarm:
         auditor_extra: list[str] | None = None,
         auto_workers: int = 0,
         trackers: int = 1,
+        identity: bool = False,
     ):
         self.model_path = Path(model_path)
         self.preset = preset_for(self.model_path)
@@ -113,6 +115,11 @@ class LocalSwarm:
             from neuron_bus.trust.permissions import render
 
             auth = render(credentials)
+        # per-process credentials (decentralized auth): every process its own, the server trusting the operator
+        self.authority: Authority | None = None
+        self.creds: dict[str, Path] = {}  # process or client name -> its .creds file
+        if identity:
+            auth = self._init_authority(cluster)
         self.servers = self._make_servers(cluster, nats_port, http_port, auth)
         self.replicas = len(self.servers)  # copies of every stream and bucket
         self.prefill_window = prefill_window
@@ -154,6 +161,25 @@ class LocalSwarm:
         """The bus for this process (as admin when the swarm runs with credentials)."""
         return self.role_url("admin")
 
+    def _init_authority(self, cluster: int) -> str:
+        """An operator for this swarm, its admin credential, and the server config trusting it."""
+        if cluster != 1:
+            raise ValueError("LocalSwarm(identity=True) runs one server")
+        self.authority = Authority(self.workdir / "authority").init()
+        self.creds["admin"] = self.authority.issue("admin", "admin")
+        return self.authority.server_config(self.workdir / "jwt")
+
+    def issue(self, name: str, role: str) -> Path:
+        """A credential of its own for ``name`` (a node id, a client's name) in ``role`` (identity swarms)."""
+        assert self.authority is not None, "LocalSwarm(identity=True) issues credentials"
+        self.creds[name] = self.authority.issue(name, role)
+        return self.creds[name]
+
+    @property
+    def admin(self) -> dict:
+        """Connection options of this process (the operator): admin credentials on an identity swarm."""
+        return {"creds": str(self.creds["admin"])} if self.authority else {}
+
     def role_url(self, role: str) -> str:
         """The bus as ``role`` (worker, tracker, auditor, client, gateway, observer, admin)."""
         if not self.credentials:
@@ -169,6 +195,8 @@ class LocalSwarm:
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "ab")
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads), PYTHONUNBUFFERED="1")
+        if self.authority is not None:
+            env["NEURON_NATS_CREDS"] = str(self.creds[name])
         proc = subprocess.Popen(cli() + args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         log.close()
         self.procs[name] = proc
@@ -227,8 +255,13 @@ class LocalSwarm:
         if self.from_store:
             step("publishing the model to the shard swarm")
             self.artifact_id = asyncio.run(self._publish())
-        for i in range(self.trackers):
-            name = "tracker" if i == 0 else f"tracker-{i}"
+        trackers = ["tracker" if i == 0 else f"tracker-{i}" for i in range(self.trackers)]
+        if self.authority is not None:
+            for name, role in [*((t, "tracker") for t in trackers), ("auditor", "auditor"), ("gateway", "gateway")]:
+                self.issue(name, role)
+            for spec in self.workers:
+                self.issue(spec.node_id, "worker")
+        for name in trackers:
             step(name)
             self._spawn(name, ["tracker", "--nats", self.process_url(name, "tracker"), *self.tracker_extra])
         if self.auditor_extra is not None:
@@ -295,7 +328,7 @@ class LocalSwarm:
             raise errors[0]
 
     async def _provision(self, **kw) -> None:
-        nc = await connect(self.url, max_reconnect_attempts=3)
+        nc = await connect(self.url, max_reconnect_attempts=3, **self.admin)
         try:
             deadline = time.monotonic() + 60.0
             while True:  # a fresh cluster may still be electing its meta leader
@@ -312,7 +345,7 @@ class LocalSwarm:
     async def _publish(self) -> str:
         from neuron_bus.artifacts.swarm import publish
 
-        nc = await connect(self.url, max_reconnect_attempts=3)
+        nc = await connect(self.url, max_reconnect_attempts=3, **self.admin)
         try:
             return (await publish(nc.jetstream(), [self.model_path])).artifact_id
         finally:
@@ -340,7 +373,7 @@ class LocalSwarm:
     async def _probe(self) -> tuple[set[str], M.RouteAssignment]:
         from neuron_bus.client import NeuronClient
 
-        async with await NeuronClient.connect(self.url) as client:
+        async with await NeuronClient.connect(self.url, **self.admin) as client:
             report = await client.coverage(self.preset)
             alive = {n.node_id for n in report.nodes if n.alive}
             return alive, await client.route(self.preset)

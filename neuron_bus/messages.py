@@ -204,6 +204,15 @@ class SessionOpen(Struct, tag_field="op", tag="open"):
     chunk_size: int = 256
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     prompt: list[int] | None = None  # the prompt's token ids, sent to the tail only (its validation event)
+    # the identity of the client that opened the session: its tokens and errors go to
+    # neuron.session.<owner>.<session>.*, which only that client's credential may read
+    owner: str = "public"
+    # link keys (trust/sealing.py), fresh per session: this hop's input link (it verifies what it
+    # receives with it) and its output link (the next hop's input; at the tail, hop 0's for the
+    # ring). Empty: an unauthenticated session, refused by workers that require keys
+    input_key: str = ""
+    output_key: str = ""
+    encrypt: bool = False  # activation bodies (and snapshots) sealed with AEAD
 
 
 class SessionOpened(Struct, tag_field="type", tag="opened"):
@@ -222,6 +231,7 @@ class SessionClose(Struct, tag_field="op", tag="close"):
     session_id: str
     route_id: str
     reason: str = "finished"
+    proof: str = ""  # MAC of ("close", session) with the hop's input key: only the session's client can close it
 
 
 class SessionClosed(Struct, tag_field="type", tag="closed"):
@@ -246,6 +256,9 @@ class SessionResume(Struct, tag_field="op", tag="resume"):
     replay_end: int
     generated: list[int] = []
     restore: bool = False
+    # a surviving hop: MAC of ("resume", session, new route, position, replay end) with its input
+    # key; only the client that opened the session can move it
+    proof: str = ""
 
 
 class SessionResumed(Struct, tag_field="type", tag="resumed"):
@@ -284,6 +297,8 @@ class SnapshotMeta(SessionKey, kw_only=True):
     n_ctx: int
     nbytes: int
     created_at: float = 0.0
+    mac: str = ""  # MAC of this metadata and the blob with the hop's input key (trust/sealing.py)
+    sealed: bool = False  # the blob is AEAD-sealed (the session encrypts its activations)
 
 
 class SessionsQuery(Struct, tag_field="op", tag="sessions"):
@@ -385,6 +400,7 @@ class ActivationHeader(SessionKey, kw_only=True):
     dtype: WireDtype
     shape: list[int]
     encoding: Encoding = "raw"
+    mac: str = ""  # MAC over every other field and the body with the link key (trust/sealing.py)
 
 
 class TokenDelta(Struct):
@@ -462,6 +478,7 @@ class ValidationEvent(Struct):
     chunk_size: int = 256
     finish_reason: str | None = None
     tail_node_id: str = ""  # the node that published the event
+    activation_auth: Literal["none", "mac", "aead"] = "none"  # how the session's activations were protected
 
 
 class AuditRequest(Struct):

@@ -30,6 +30,7 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import NeuronBusError, RouteError
 from neuron_bus.routes import TRUSTED_TIERS, hop_subject
+from neuron_bus.trust import sealing
 
 REPAIR_TIMEOUT_S = 20.0
 
@@ -50,7 +51,7 @@ def repaired_route(route: M.RouteAssignment, hop_index: int, node: M.TrackedNode
                 cache_abi=node.cache_abi,
                 trust_tier=node.trust_tier,
             )
-        hops.append(msgspec.structs.replace(h, subject=hop_subject(route_id, i)))
+        hops.append(msgspec.structs.replace(h, subject=hop_subject(route_id, i, h.node_id)))
     return msgspec.structs.replace(route, route_id=route_id, hops=hops, created_at=time.time())
 
 
@@ -120,8 +121,12 @@ async def repair(
     generated: list[int],
     attempt: int,
     exclude: set[str],
+    keys=None,
 ) -> tuple[M.RouteAssignment, int, M.TrackedNode]:
-    """Repair ``route`` around ``dead`` (``session``: hop 0's open request): (new route, replay start, replacement)."""
+    """Repair ``route`` around ``dead`` (``session``: hop 0's open request): (new route, replay start, replacement).
+
+    ``keys(route, hop_index)`` gives each hop's link keys (the session's, unchanged); a survivor's
+    resume carries the proof that this client opened the session (trust/sealing.py)."""
 
     def fail(reason: str, message: str, node: str | None = dead) -> RouteError:
         return RouteError(reason, message, phase="decode", node_id=node)
@@ -135,10 +140,13 @@ async def repair(
     new = repaired_route(route, index, node, attempt)
 
     def resume(i: int, position: int, restore: bool) -> M.SessionResume:
-        opened = msgspec.structs.replace(session, route=new, hop_index=i)
-        return M.SessionResume(
+        opened = msgspec.structs.replace(session, route=new, hop_index=i, **(keys(new, i) if keys else {}))
+        req = M.SessionResume(
             open=opened, position=position, replay_end=replay_end, generated=generated, restore=restore
         )
+        if opened.input_key and not restore:
+            req.proof = sealing.LinkKey.parse(opened.input_key).proof(*sealing.resume_parts(req))
+        return req
 
     try:
         restored = await client.control(node.node_id, resume(index, limit, True), timeout=REPAIR_TIMEOUT_S)
@@ -206,9 +214,9 @@ async def surviving_positions(client, route: M.RouteAssignment, dead_index: int,
 
 async def purge(js, route: M.RouteAssignment) -> None:
     """Drop what is left on the old route's hop subjects (best effort)."""
-    for i in range(len(route.hops)):
+    for i, h in enumerate(route.hops):
         for phase, stream in (("prefill", S.STREAM_PREFILL), ("decode", S.STREAM_DECODE)):
             try:
-                await js.purge_stream(stream, subject=S.hop_input(route.route_id, i, phase))
+                await js.purge_stream(stream, subject=S.hop_input(h.node_id, route.route_id, i, phase))
             except Exception:
                 pass

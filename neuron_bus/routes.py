@@ -12,9 +12,10 @@ from neuron_bus import subjects as S
 TRUSTED_TIERS = ("trusted", "paid-trusted")
 
 
-def hop_subject(route_id: str, index: int) -> str:
-    """The base subject of a hop; workers append ``.prefill`` / ``.decode`` (subjects.hop_input)."""
-    return f"{S.ROOT}.act.{S.check_token(route_id, 'route id')}.{int(index)}"
+def hop_subject(route_id: str, index: int, node_id: str) -> str:
+    """The base subject of a hop, keyed by the node serving it; workers append ``.prefill`` /
+    ``.decode`` (subjects.hop_input)."""
+    return S.hop_base(node_id, route_id, index)
 
 
 def hop_header(

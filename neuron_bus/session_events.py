@@ -1,7 +1,9 @@
 """What a session's subjects say, as a client reads them: token deltas, telemetry, errors.
 
-Every session has three subjects: its token deltas (``neuron.session.<id>.tokens``), its errors
-(``neuron.session.<id>.errors``) and its telemetry (``neuron.telemetry.<id>``). `read` turns one
+Every session has three subjects, under the identity of the client that opened it (``owner``):
+its token deltas (``neuron.session.<owner>.<id>.tokens``) and errors
+(``neuron.session.<owner>.<id>.error``), which only that client may read, and its public telemetry
+(``neuron.telemetry.<owner>.<id>``, no text). `read` turns one
 message into the event a client yields, or raises the `RouteError` that a fatal error or a failed
 route means, naming the phase and the node it failed at. The client's generation run and the
 gateway's ``attach`` both read sessions with it.
@@ -13,7 +15,7 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import RouteError
 
-SUBJECTS = (("token", S.session_tokens), ("error", S.session_error), ("telemetry", S.telemetry))
+SUBJECTS = (("token", S.session_tokens), ("error", S.session_error), ("telemetry", S.telemetry))  # (owner, id)
 
 Event = M.TokenDelta | M.GenerationTelemetry
 

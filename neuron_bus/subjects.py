@@ -7,11 +7,11 @@ import re
 ROOT = "neuron"
 
 # Streams (JetStream). Names are fixed; subjects below say what each captures.
-STREAM_PREFILL = "NEURON_PREFILL"  # neuron.act.*.*.prefill  work queue, window per subject
-STREAM_DECODE = "NEURON_DECODE"  # neuron.act.*.*.decode    work queue
+STREAM_PREFILL = "NEURON_PREFILL"  # neuron.act.*.*.*.prefill  work queue, window per subject
+STREAM_DECODE = "NEURON_DECODE"  # neuron.act.*.*.*.decode    work queue
 STREAM_ROUTES = "NEURON_ROUTES"  # neuron.route.assign.> limits, last per subject
 STREAM_TELEMETRY = "NEURON_TELEMETRY"  # neuron.telemetry.>   last per subject
-STREAM_TOKENS = "NEURON_TOKENS"  # neuron.session.*.tokens / .error, limits, memory
+STREAM_TOKENS = "NEURON_TOKENS"  # neuron.session.*.*.tokens / .error, limits, memory
 STREAM_VALIDATION = "NEURON_VALIDATION"  # neuron.validation.>  durable, file
 STREAM_LEDGER = "NEURON_LEDGER"  # neuron.ledger.>      durable, file
 STREAM_AUDIT = "NEURON_AUDIT"  # neuron.audit.>  replay requests and verdicts, file
@@ -36,6 +36,9 @@ NODE_HEARTBEAT_ALL = f"{ROOT}.node.*.heartbeat"
 VALIDATION_ALL = f"{ROOT}.validation.>"
 AUDIT_REQUEST = f"{ROOT}.audit.request"  # AuditRequest: a session the tracker sampled for replay
 LEDGER_ALL = f"{ROOT}.ledger.>"
+PREFILL_ALL = f"{ROOT}.act.*.*.*.prefill"  # <receiving node>.<route>.<hop>
+DECODE_ALL = f"{ROOT}.act.*.*.*.decode"
+PUBLIC_OWNER = "public"  # the owner of sessions opened without an identity (no credentials)
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -64,28 +67,53 @@ def route_assign(route_id: str) -> str:
     return f"{ROOT}.route.assign.{check_token(route_id, 'route id')}"
 
 
-def hop_input(route_id: str, hop_index: int, phase: str) -> str:
-    """Activations into hop ``hop_index`` of a route; ``phase`` is "prefill" or "decode".
+def hop_input(node_id: str, route_id: str, hop_index: int, phase: str) -> str:
+    """Activations into hop ``hop_index`` of a route, served by ``node_id``; ``phase`` is "prefill"
+    or "decode".
 
-    The two phases travel in separate streams: prefill subjects hold at most a window of chunks
-    (backpressure), decode subjects are unbounded (a session has at most one decode step in
-    flight, so the ring cannot deadlock on a full subject).
+    The receiving node comes first, so a node's credential may read its own inputs only
+    (``neuron.act.<node>.>``). The two phases travel in separate streams: prefill subjects hold at
+    most a window of chunks (backpressure), decode subjects are unbounded (a session has at most
+    one decode step in flight, so the ring cannot deadlock on a full subject).
     """
     if phase not in ("prefill", "decode"):
         raise ValueError(f"phase must be prefill or decode, got {phase!r}")
-    return f"{ROOT}.act.{check_token(route_id, 'route id')}.{int(hop_index)}.{phase}"
+    return f"{hop_base(node_id, route_id, hop_index)}.{phase}"
 
 
-def session_tokens(session_id: str) -> str:
-    return f"{ROOT}.session.{check_token(session_id, 'session id')}.tokens"
+def hop_base(node_id: str, route_id: str, hop_index: int) -> str:
+    """A hop's subject without its phase (``RouteHop.subject``)."""
+    return f"{ROOT}.act.{check_token(node_id, 'node id')}.{check_token(route_id, 'route id')}.{int(hop_index)}"
 
 
-def session_error(session_id: str) -> str:
-    return f"{ROOT}.session.{check_token(session_id, 'session id')}.error"
+def node_inputs(node_id: str) -> str:
+    """Every activation addressed to ``node_id`` (what its credential may consume)."""
+    return f"{ROOT}.act.{check_token(node_id, 'node id')}.>"
 
 
-def telemetry(session_id: str) -> str:
-    return f"{ROOT}.telemetry.{check_token(session_id, 'session id')}"
+def session_tokens(owner: str, session_id: str) -> str:
+    """A session's token deltas, under the identity of the client that opened it (``owner``):
+    only that client's credential may read ``neuron.session.<owner>.>``."""
+    return f"{session_base(owner, session_id)}.tokens"
+
+
+def session_error(owner: str, session_id: str) -> str:
+    return f"{session_base(owner, session_id)}.error"
+
+
+def session_base(owner: str, session_id: str) -> str:
+    return f"{ROOT}.session.{check_token(owner, 'owner')}.{check_token(session_id, 'session id')}"
+
+
+def owner_sessions(owner: str) -> str:
+    """Every session subject of one client (what its credential may read)."""
+    return f"{ROOT}.session.{check_token(owner, 'owner')}.>"
+
+
+def telemetry(owner: str, session_id: str) -> str:
+    """A session's telemetry: public (any credential may read ``neuron.telemetry.>``), carries no
+    text; only its owner (and workers) may publish under ``neuron.telemetry.<owner>.>``."""
+    return f"{ROOT}.telemetry.{check_token(owner, 'owner')}.{check_token(session_id, 'session id')}"
 
 
 def validation(session_id: str) -> str:

@@ -3,7 +3,7 @@
 `GenerationProgress` keeps the numbers for one session and produces
 :class:`~neuron_bus.messages.GenerationTelemetry` snapshots; whoever drives a phase (the client
 while queued/loading, the route's tail during prefill and decode) publishes them on
-``neuron.telemetry.<session_id>``, where the stream keeps the latest one for late readers.
+``neuron.telemetry.<owner>.<session_id>``, where the stream keeps the latest one for late readers.
 """
 
 from __future__ import annotations
@@ -19,8 +19,17 @@ MIN_INTERVAL_S = 0.1  # between two decode-progress messages of one session
 
 
 class GenerationProgress:
-    def __init__(self, session_id: str, route_id: str, model_preset: str, nodes: list[str], prompt_tokens: int):
+    def __init__(
+        self,
+        session_id: str,
+        route_id: str,
+        model_preset: str,
+        nodes: list[str],
+        prompt_tokens: int,
+        owner: str = S.PUBLIC_OWNER,
+    ):
         self.session_id = session_id
+        self.owner = owner  # the client that opened the session: its telemetry subject
         self.route_id = route_id
         self.model_preset = model_preset
         self.nodes = nodes
@@ -109,4 +118,4 @@ class GenerationProgress:
 
     @property
     def subject(self) -> str:
-        return S.telemetry(self.session_id)
+        return S.telemetry(self.owner, self.session_id)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import weakref
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -52,7 +54,7 @@ def topology(replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) ->
         StreamConfig(
             name=S.STREAM_PREFILL,
             description="prefill chunks into route hops; at most `prefill_window` waiting per hop",
-            subjects=[f"{S.ROOT}.act.*.*.prefill"],
+            subjects=[S.PREFILL_ALL],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.MEMORY,
             max_msgs_per_subject=prefill_window,
@@ -65,7 +67,7 @@ def topology(replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) ->
         StreamConfig(
             name=S.STREAM_DECODE,
             description="decode steps into route hops (one position each)",
-            subjects=[f"{S.ROOT}.act.*.*.decode"],
+            subjects=[S.DECODE_ALL],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.MEMORY,
             max_age=600.0,
@@ -95,7 +97,7 @@ def topology(replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) ->
         StreamConfig(
             name=S.STREAM_TOKENS,
             description="token deltas and session errors, replayable by a reconnecting client",
-            subjects=[f"{S.ROOT}.session.*.tokens", f"{S.ROOT}.session.*.error"],
+            subjects=[f"{S.ROOT}.session.*.*.tokens", f"{S.ROOT}.session.*.*.error"],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.MEMORY,
             max_age=900.0,
@@ -248,12 +250,24 @@ async def _log_error(exc: Exception) -> None:
     log.warning("nats: %s", exc)
 
 
-async def connect(url: str, name: str = "neuron-bus", **kwargs) -> nats.NATS:
+CREDS_ENV = "NEURON_NATS_CREDS"
+
+
+async def connect(url: str, name: str = "neuron-bus", creds: str | None = None, **kwargs) -> nats.NATS:
     """Connect to a server or cluster (comma-separated URLs).
 
-    Fails at once with ConnectionRefusedError when no server answers; once connected, it
-    reconnects to surviving servers forever (by default).
+    ``creds`` (default: env ``NEURON_NATS_CREDS``) is this process's own credential
+    (`neuron-bus credentials issue`): the connection then signs in with it and takes its private
+    inbox prefix (`identity_of` tells who it is). Fails at once with ConnectionRefusedError when no
+    server answers; once connected, it reconnects to surviving servers forever (by default).
     """
+    from neuron_bus.trust.identity import read_identity
+
+    creds = creds or os.environ.get(CREDS_ENV) or None
+    identity = read_identity(creds) if creds else None
+    if identity is not None:
+        kwargs.setdefault("user_credentials", str(identity.creds))
+        kwargs.setdefault("inbox_prefix", identity.inbox)
     servers = [u.strip() for u in url.split(",") if u.strip()]
     if not await asyncio.to_thread(_reachable, servers):
         raise ConnectionRefusedError(f"no NATS server reachable at {url}")
@@ -266,4 +280,28 @@ async def connect(url: str, name: str = "neuron-bus", **kwargs) -> nats.NATS:
         error_cb=_log_error,
     )
     opts.update(kwargs)
-    return await nats.connect(servers=servers, **opts)
+    nc = await nats.connect(servers=servers, **opts)
+    _WHO[nc] = (identity, _url_user(servers[0]))
+    return nc
+
+
+_WHO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # connection -> (identity, URL user)
+
+
+def identity_of(nc):
+    """The `Identity` a connection signed in with (None: no credential file)."""
+    return _WHO.get(nc, (None, None))[0]
+
+
+def owner_of(nc) -> str:
+    """The name a connection's sessions are owned by: its credential's name, else its URL's user (a
+    role), else ``public``."""
+    identity = identity_of(nc)
+    if identity is not None:
+        return identity.name
+    return _WHO.get(nc, (None, None))[1] or S.PUBLIC_OWNER
+
+
+def _url_user(server: str) -> str | None:
+    user = urlparse(server if "://" in server else f"nats://{server}").username
+    return user if user and S._TOKEN.match(user) else None

@@ -7,6 +7,9 @@ Contenders, all on this machine in this run, with the same thread budget per pro
 - 2-hop and 3-hop routes on the llama.cpp backend, and a 2-hop route on the torch backend
 - 2-hop and 3-hop routes of no-op hops (no model work: the bus's own per-hop cost), next to a
   bare two-process JetStream relay (scripts/jetstream_floor.py: the least a Python hop can cost)
+- the 2-hop llama.cpp route without session keys (no MACs) and with sealed activations (AEAD):
+  every other route runs with MACs, the default; and the three measured alternately on one
+  route, back to back (the MAC and AEAD cost figures: trust/sealing.py, docs/security.md)
 
 Figures: decode tok/s, prefill tok/s at 512/2048/4096 tokens, time to first token, seam bytes
 per token by phase, per-hop overhead, aggregate decode tok/s at 1/4/8 concurrent sessions (while all
@@ -86,6 +89,46 @@ def single_decode_rate(backend, ids: list[int], n_decode: int) -> float:
         return n_decode / (time.perf_counter() - t0)
     finally:
         backend.close_session("d")
+
+
+SECURITY_MODES = {
+    "no MAC": {"authenticate": False},
+    "MAC": {},
+    "AEAD": {"encrypt_activations": True},
+}
+
+
+def paired_security(model_path: Path, threads: int, ids: list[int], n_decode: int, workdir: Path, rounds: int = 3):
+    """{mode: [(decode tok/s, prefill tok/s)]}: sessions without keys, with MACs and sealed, taking
+    turns on one 2-hop route (the workers accept keyless sessions on an open bus)."""
+
+    async def rates(url: str, security: dict) -> tuple[float, float]:
+        async with await NeuronClient.connect(url, **security) as client:
+            run = await generation(client, await client.route(), ids, n_decode)
+            return decode_rate(run), len(ids) / (run["stamps"][0] - run["t0"])
+
+    out: dict[str, list[tuple[float, float]]] = {m: [] for m in SECURITY_MODES}
+    with LocalSwarm(model_path, 2, threads=threads, workdir=workdir / "security") as swarm:
+        asyncio.run(rates(swarm.url, {}))  # warm-up
+        for _ in range(rounds):
+            for mode, security in SECURITY_MODES.items():
+                out[mode].append(asyncio.run(rates(swarm.url, security)))
+    return out
+
+
+def security_cost(paired: dict[str, list[tuple[float, float]]]) -> dict:
+    """Median decode and prefill cost of MACs and of AEAD against no MACs (fractions; > 0 is slower)."""
+    med = {m: [statistics.median(r[i] for r in runs) for i in (0, 1)] for m, runs in paired.items()}
+    base = med["no MAC"]
+    return {
+        m: {
+            "decode_tok_s": v[0],
+            "prefill_tok_s": v[1],
+            "decode_cost": 1 - v[0] / base[0],
+            "prefill_cost": 1 - v[1] / base[1],
+        }
+        for m, v in med.items()
+    }
 
 
 def paired_decode(model_path: Path, threads: int, ids: list[int], n_decode: int, workdir: Path, pairs: int = 3) -> list:
@@ -191,7 +234,12 @@ def decode_backend_seconds(ports: list[int]) -> tuple[float, float]:
 
 
 async def route_figures(
-    url: str, ids_by_size: dict[int, list[int]], n_decode: int, concurrency: tuple[int, ...], ports: list[int]
+    url: str,
+    ids_by_size: dict[int, list[int]],
+    n_decode: int,
+    concurrency: tuple[int, ...],
+    ports: list[int],
+    security: dict | None = None,
 ) -> dict:
     out: dict = {
         "prefill_tok_s": {},
@@ -232,6 +280,8 @@ def bench_route(
     n_decode: int,
     workdir: Path,
     concurrency: tuple[int, ...] = (),
+    security: dict | None = None,
+    tag: str = "",
 ) -> dict:
     ports = [free_port() for _ in range(shards)]
     swarm = LocalSwarm(
@@ -239,7 +289,7 @@ def bench_route(
         shards,
         backend=backend,
         threads=threads,
-        workdir=workdir / f"{backend}-{shards}",
+        workdir=workdir / f"{backend}-{shards}{tag}",
         worker_extra={i: ["--metrics-port", str(p), "--max-sessions", "8"] for i, p in enumerate(ports)},
     )
     with swarm:
@@ -250,7 +300,7 @@ def bench_route(
         msgs0 = scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out")
         prompt0 = scrape(ports[0], "neuron_tokens_total", phase="prefill")
         with RssSampler(pids) as rss:
-            out = asyncio.run(route_figures(swarm.url, ids_by_size, n_decode, concurrency, ports))
+            out = asyncio.run(route_figures(swarm.url, ids_by_size, n_decode, concurrency, ports, security or {}))
         seam = {ph: scrape(ports[0], "neuron_seam_bytes_total", phase=ph, direction="out") - seam0[ph] for ph in seam0}
         msgs = scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out") - msgs0
         prompt_positions = scrape(ports[0], "neuron_tokens_total", phase="prefill") - prompt0  # every prompt hop 0 took
@@ -315,21 +365,25 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
     print(f"  single process done ({time.time() - t:.0f}s)", flush=True)
     contenders = {}
     plan = [
-        ("route2 llama.cpp", 2, "llama-cpp", (1, 4, 8)),
-        ("route3 llama.cpp", 3, "llama-cpp", ()),
-        ("route2 torch", 2, "torch", ()),
-        ("route2 no-op", 2, "noop", ()),
-        ("route3 no-op", 3, "noop", ()),
+        ("route2 llama.cpp", 2, "llama-cpp", (1, 4, 8), "MAC"),
+        ("route2 no MAC", 2, "llama-cpp", (), "no MAC"),
+        ("route2 AEAD", 2, "llama-cpp", (), "AEAD"),
+        ("route3 llama.cpp", 3, "llama-cpp", (), "MAC"),
+        ("route2 torch", 2, "torch", (), "MAC"),
+        ("route2 no-op", 2, "noop", (), "MAC"),
+        ("route3 no-op", 3, "noop", (), "MAC"),
     ]
-    for name, shards, backend, conc in plan:
+    for name, shards, backend, conc, mode in plan:
         t = time.time()
         use_sizes = {min(sizes): ids_by_size[min(sizes)]} if backend == "torch" else ids_by_size
         contenders[name] = bench_route(
-            model_path, shards, backend, threads, use_sizes, 16 if backend == "torch" else n_decode, work, conc
-        )
+            model_path, shards, backend, threads, use_sizes, 16 if backend == "torch" else n_decode, work, conc,
+            SECURITY_MODES[mode], tag="" if mode == "MAC" else "-" + mode.replace(" ", ""),
+        )  # fmt: skip
         print(f"  {name} done ({time.time() - t:.0f}s)", flush=True)
 
     paired = paired_decode(model_path, threads, ids_by_size[min(sizes)], n_decode, work)
+    security = security_cost(paired_security(model_path, threads, ids_by_size[min(sizes)], n_decode, work))
     paired_ratios = [r / s for s, r in paired]
     floor_ms = jetstream_floor.measure()
     think_ms = 1000 / single["decode_tok_s"] / 2  # each hop of a 2-hop route computes about half a token
@@ -386,6 +440,14 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
         f"(a bare two-process JetStream relay on this machine: {floor_ms:.3f} ms per leg; "
         f"{floor_think_ms:.3f} ms when each leg also waits {think_ms:.1f} ms for a backend thread)"
     )
+    print(
+        "session keys on the 2-hop route, measured alternately (cost vs no MACs, decode / prefill "
+        f"{min(sizes)}): "
+        + ", ".join(
+            f"{m} {v['decode_cost']:+.1%} / {v['prefill_cost']:+.1%}" for m, v in security.items() if m != "no MAC"
+        )
+        + " (target: MACs at most 2% of decode tok/s)"
+    )
     big = max(sizes)
     prefill_time_ratio = single["prefill_tok_s"][big] / r2["prefill_tok_s"][big]
     print(f"{big}-token prefill, 2-hop route time / single-process time: {prefill_time_ratio:.2f}")
@@ -419,6 +481,11 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
         "backend_ms_per_decode_token": cost,
         "concurrent8_cpu_ceiling_tok_s": ceiling[8],
         f"prefill{big // 1024}k_route2_vs_single_ratio": prefill_time_ratio,
+        "route2_no_mac_decode_tok_s": contenders["route2 no MAC"]["decode_tok_s"],
+        "route2_aead_decode_tok_s": contenders["route2 AEAD"]["decode_tok_s"],
+        "route2_no_mac_prefill_tok_s": contenders["route2 no MAC"]["prefill_tok_s"],
+        "route2_aead_prefill_tok_s": contenders["route2 AEAD"]["prefill_tok_s"],
+        "security_paired": security,
         "peak_rss_bytes": {name: r["peak_rss_bytes"] for name, r in contenders.items()}
         | {"single": single["rss_bytes"]},
     }

@@ -39,7 +39,7 @@ async def watch_generation(swarm: LocalSwarm, ids: list[int], chunk: int, pids: 
             )
         )
         while not gen.done():
-            info = await js.stream_info(S.STREAM_PREFILL, subjects_filter=f"neuron.act.{route.route_id}.>")
+            info = await js.stream_info(S.STREAM_PREFILL, subjects_filter=f"neuron.act.*.{route.route_id}.>")
             for subject, count in (info.state.subjects or {}).items():
                 depth[subject] = max(depth.get(subject, 0), count)
             for c in await js.consumers_info(S.STREAM_PREFILL):
@@ -70,8 +70,8 @@ def test_slow_hop_holds_its_upstream_to_the_window(smollm2_path, tmp_path):
         route, result, depth, in_flight, _ = asyncio.run(watch_generation(swarm, ids, 32, pids))  # 20 chunks
         elapsed = time.monotonic() - started
     assert len(result.tokens) == 2
-    tail_subject = S.hop_input(route.route_id, 1, "prefill")
-    head_subject = S.hop_input(route.route_id, 0, "prefill")
+    tail_subject = S.hop_input(route.hops[1].node_id, route.route_id, 1, "prefill")
+    head_subject = S.hop_input(route.hops[0].node_id, route.route_id, 0, "prefill")
     # the slow hop's input filled up to the window and never past it; so did the head's
     assert depth.get(tail_subject) == WINDOW
     assert max(depth.values()) <= WINDOW

@@ -164,7 +164,7 @@ def test_malformed_messages_never_disturb_a_decoding_session(swarm):
         async def capture(msg):
             captured.append((msg.subject, dict(msg.headers or {}), msg.data))
 
-        sub = await client.nc.subscribe(f"neuron.act.{route.route_id}.>", cb=capture)
+        sub = await client.nc.subscribe(f"neuron.act.*.{route.route_id}.>", cb=capture)
         ids = (await client.control(route.hops[0].node_id, M.TokenizeRequest(text=PROMPT))).tokens
         solo = (await client.complete(prompt_tokens=ids, route=route, sampling=sampling, chunk_size=4)).tokens
         await sub.unsubscribe()
@@ -207,7 +207,10 @@ def test_malformed_messages_never_disturb_a_decoding_session(swarm):
     @st.composite
     def data_message(draw):
         if draw(st.integers(0, 9)) == 0:  # raw garbage on an activation subject
-            subject = S.hop_input(route.route_id, draw(st.integers(0, 1)), draw(st.sampled_from(["prefill", "decode"])))
+            hop = draw(st.integers(0, 1))
+            subject = S.hop_input(
+                route.hops[hop].node_id, route.route_id, hop, draw(st.sampled_from(["prefill", "decode"]))
+            )
             headers = draw(st.one_of(st.none(), st.dictionaries(token_ids, ascii_text, max_size=6)))
             return subject, headers or None, draw(st.binary(max_size=2048)), "garbage"
         by_phase = [[c for c in captured if c[1].get("phase") == p] for p in ("prefill", "decode")]

@@ -69,9 +69,9 @@ async def _observer_is_refused(url: str, passwords: dict[str, str]) -> dict:
     except Exception:
         js_refused = True
     t = M.GenerationTelemetry(session_id="s1", route_id="r1", model_preset="m", phase="decode")
-    await admin.jetstream().publish(S.telemetry("s1"), M.encode(t))
+    await admin.jetstream().publish(S.telemetry("alice", "s1"), M.encode(t))
     # stored telemetry is readable too (a late observer)
-    stored = await observer.jetstream().get_last_msg(S.STREAM_TELEMETRY, S.telemetry("s1"))
+    stored = await observer.jetstream().get_last_msg(S.STREAM_TELEMETRY, S.telemetry("alice", "s1"))
     await asyncio.sleep(0.5)
     # reading anything else is refused
     await observer.subscribe("neuron.node.*.heartbeat")
@@ -97,7 +97,7 @@ def test_observer_can_read_telemetry_and_cannot_publish_activations_or_assignmen
     text = " ".join(r["violations"]).lower()
     assert "permissions violation" in text and "neuron.act.x.0.prefill" in text and "neuron.route.assign.x" in text
     assert "neuron.node.*.heartbeat" in text  # subscribing elsewhere is refused as well
-    assert r["got"]["telemetry"] == ["neuron.telemetry.s1"]
+    assert r["got"]["telemetry"] == ["neuron.telemetry.alice.s1"]
     assert json.loads(r["stored"])["session_id"] == "s1"
 
 

@@ -102,7 +102,7 @@ def test_assignment_hops_are_ordered_contiguous_and_name_their_subjects():
     views = [node("a", 0, 10), node("b", 10, 20), node("c", 20, 30, trust_tier="trusted")]
     req = request(wire_dtype="bf16")
     a = to_assignment(plan_route(req, views), req, "r0ute", 123.0)
-    assert [h.subject for h in a.hops] == [f"neuron.act.r0ute.{i}" for i in range(3)]
+    assert [h.subject for h in a.hops] == [f"neuron.act.{h.node_id}.r0ute.{i}" for i, h in enumerate(a.hops)]
     assert [(h.layer_start, h.layer_end) for h in a.hops] == [(0, 10), (10, 20), (20, 30)]
     assert a.hops[2].trust_tier == "trusted" and a.wire_dtype == "bf16" and a.n_layers_total == N
     assert (a.model_revision, a.hops[0].backend_id, a.hops[0].cache_abi) == ("r1", "llama-cpp", "llama-kv-f16-v1")

@@ -131,7 +131,7 @@ def test_wrong_route_or_session_is_rejected_before_model_work(swarm, reference):
             async def on_error(msg):
                 errors.append(M.decode(msg.data, M.SessionError))
 
-            sub = await c.nc.subscribe(S.session_error(sid), cb=on_error)
+            sub = await c.nc.subscribe(S.session_error(c.owner, sid), cb=on_error)
             for i, hop in enumerate(route.hops):
                 await c.control(
                     hop.node_id, M.SessionOpen(session_id=sid, route=route, hop_index=i, prompt_tokens=4, n_ctx=512)
@@ -143,13 +143,15 @@ def test_wrong_route_or_session_is_rejected_before_model_work(swarm, reference):
             forged = hop_header(route, 1, sid, 0, "prefill", 0, "f32")
             forged.route_id = "someotherroute"
             h, body = codec.encode(forged, np.zeros((4, 576), dtype=np.float32))
-            await js.publish(S.hop_input(route.route_id, 1, "prefill"), body, headers=h)
+            await js.publish(S.hop_input(tail, route.route_id, 1, "prefill"), body, headers=h)
             # a step for a session that does not exist
             ghost = hop_header(route, 1, "ghost" + sid, 0, "prefill", 0, "f32")
             h, body = codec.encode(ghost, np.zeros((4, 576), dtype=np.float32))
-            await js.publish(S.hop_input(route.route_id, 1, "prefill"), body, headers=h)
+            await js.publish(S.hop_input(tail, route.route_id, 1, "prefill"), body, headers=h)
             # garbage on the same subject
-            await js.publish(S.hop_input(route.route_id, 1, "prefill"), b"\x00garbage", headers={"session_id": sid})
+            await js.publish(
+                S.hop_input(tail, route.route_id, 1, "prefill"), b"\x00garbage", headers={"session_id": sid}
+            )
             for _ in range(100):
                 after = await c.sessions(tail)
                 if sum(after.rejected.values()) - sum(before.rejected.values()) >= 3 and len(errors) >= 2:

@@ -161,7 +161,9 @@ async def test_route_is_published_on_the_stream_and_in_kv(bus, tracker):
     await live(tracker, "head", "tail")
     route = await ask_route(bus.nc, wire_dtype="bf16")
     assert hops(route) == [("head", 0, 15), ("tail", 15, 30)]
-    assert [h.subject for h in route.hops] == [f"neuron.act.{route.route_id}.0", f"neuron.act.{route.route_id}.1"]
+    assert [h.subject for h in route.hops] == [
+        f"neuron.act.{h.node_id}.{route.route_id}.{i}" for i, h in enumerate(route.hops)
+    ]
     assert route.wire_dtype == "bf16" and route.n_layers_total == 30 and route.model_revision == "r1"
     js = bus.nc.jetstream()
     stored = await js.get_last_msg(S.STREAM_ROUTES, S.route_assign(route.route_id))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import typer
 
@@ -20,8 +21,13 @@ def gateway(
     max_queue: int = typer.Option(
         DEFAULT_QUEUE_LIMIT, min=0, help="Requests that may wait for a free session slot (429 beyond; 0: 503 at once)."
     ),
+    encrypt_activations: bool = typer.Option(
+        False, "--encrypt-activations", help="Seal every session's activation bodies and snapshots (AEAD)."
+    ),
 ) -> None:
     """Serve the OpenAI-compatible API, the WebSocket /ws, the web page, /metrics and /healthz."""
+    if encrypt_activations:
+        os.environ["NEURON_ENCRYPT_ACTIVATIONS"] = "1"
     from neuron_bus.errors import ServerError
     from neuron_bus.gateway.app import serve
     from neuron_bus.gateway.validation import Limits

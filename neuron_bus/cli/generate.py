@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from typing import cast
@@ -146,8 +147,13 @@ def generate(
     chat: bool = typer.Option(False, help="Wrap the prompt in the model's chat template."),
     as_json: bool = typer.Option(False, "--json", help="Print token ids and text as JSON."),
     policy: str = typer.Option("public", help="Route policy: public | private (trusted nodes only) | paid-trusted."),
+    encrypt_activations: bool = typer.Option(
+        False, "--encrypt-activations", help="Seal activation bodies and snapshots (AEAD) besides their MACs."
+    ),
 ) -> None:
     """Stream a generation from a running bus."""
+    if encrypt_activations:
+        os.environ["NEURON_ENCRYPT_ACTIVATIONS"] = "1"
     if wire_dtype not in ("f32", "bf16"):
         fail("--wire-dtype must be f32 or bf16")
     if policy not in ("public", "private", "paid-trusted"):

@@ -43,11 +43,24 @@ def wait_for_signal() -> int:
     return received[0]
 
 
-def security(auth: Path | None, tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None):
-    """The config blocks for --auth and TLS, and the options provisioning connects with."""
+def security(
+    auth: Path | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    tls_ca: Path | None,
+    operator: Path | None = None,
+    store_dir: Path = Path("data/nats"),
+):
+    """The config blocks for --auth or --operator and TLS, and the options provisioning connects with."""
     from neuron_bus.trust.permissions import tls_block
 
-    extra, connect_opts = [], {}
+    extra: list[str] = []
+    connect_opts: dict = {}
+    if operator is not None:
+        if auth is not None:
+            fail("give --auth (users per role) or --operator (per-node credentials), not both")
+        extra.append(operator_config(operator, store_dir))
+        connect_opts["creds"] = str(operator / "creds" / "admin.creds")
     if auth is not None:
         if not auth.is_file():
             fail(f"no such auth file: {auth}")
@@ -60,6 +73,16 @@ def security(auth: Path | None, tls_cert: Path | None, tls_key: Path | None, tls
         extra.append(tls_block(tls_cert, tls_key))
         connect_opts["tls"] = ssl.create_default_context(cafile=str(tls_ca or tls_cert))
     return extra, connect_opts
+
+
+def operator_config(authority: Path, store_dir: Path) -> str:
+    """The server config trusting ``authority``'s operator, its resolver beside the JetStream store."""
+    from neuron_bus.trust.identity import Authority
+
+    a = Authority(authority)
+    if not a.exists:
+        fail(f"no authority in {authority}: run `neuron-bus credentials init --dir {authority}` first")
+    return a.server_config(store_dir.resolve() / "jwt")
 
 
 def admin_url(url: str, password_file: Path | None) -> str:
@@ -116,9 +139,14 @@ def server(
     tls_ca: Path = typer.Option(
         None, "--tls-ca", help="CA to verify the server with when provisioning (default: the cert)."
     ),
+    operator: Path = typer.Option(
+        None,
+        "--operator",
+        help="Per-node credentials: trust this authority (`neuron-bus credentials init`); admit and revoke without restarts.",
+    ),
 ) -> None:
     """Start the embedded nats-server with JetStream; stop cleanly on SIGINT/SIGTERM."""
-    extra, connect_opts = security(auth, tls_cert, tls_key, tls_ca)
+    extra, connect_opts = security(auth, tls_cert, tls_key, tls_ca, operator, store_dir)
     cfg = ServerConfig(
         store_dir=store_dir.resolve(),
         host=host,

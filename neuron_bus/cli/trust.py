@@ -108,3 +108,77 @@ def ledger(
             str(t.seeding_bytes),
         )
     Console().print(table)
+
+
+credentials_app = typer.Typer(
+    no_args_is_help=True,
+    help="Per-node and per-client credentials (NATS decentralized auth): admit and revoke without restarting servers.",
+)
+app.add_typer(credentials_app, name="credentials")
+AuthorityOption = typer.Option(
+    Path("neuron-authority"), "--dir", help="The operator's authority directory (keep private)."
+)
+
+
+@credentials_app.command("init")
+def credentials_init(authority: Path = AuthorityOption) -> None:
+    """Create the operator, the swarm account and the system account; print how to start a server."""
+    from neuron_bus.trust.identity import Authority
+
+    a = Authority(authority).init()
+    a.issue("admin", "admin")  # provisions streams and buckets
+    typer.echo(
+        f"authority in {authority} (operator, account {a.account_jwt()[:12]}…); admin and sys credentials issued"
+    )
+    typer.echo(f"start every server with: neuron-bus server --operator {authority}")
+
+
+@credentials_app.command("issue")
+def credentials_issue(
+    name: str = typer.Argument(..., help="Node id (worker), or the client's, gateway's, tracker's … name."),
+    role: str = typer.Option("worker", help="worker | client | gateway | tracker | auditor | observer | admin"),
+    authority: Path = AuthorityOption,
+) -> None:
+    """Admit a node or client: a credential allowed its role's subjects for its own name only."""
+    from neuron_bus.trust.identity import Authority
+
+    a = Authority(authority)
+    if not a.exists:
+        fail(f"no authority in {authority}: run `neuron-bus credentials init` first")
+    try:
+        path = a.issue(name, role)
+    except ValueError as exc:
+        fail(str(exc))
+    typer.echo(f"issued {path} ({role} {name}); start it with NEURON_NATS_CREDS={path}")
+
+
+@credentials_app.command("revoke")
+def credentials_revoke(
+    name: str = typer.Argument(..., help="The node or client to revoke."),
+    authority: Path = AuthorityOption,
+    nats: str = NatsOption,
+) -> None:
+    """Revoke every credential of ``name`` and push the account to the servers: its connections drop at once."""
+    from neuron_bus.trust.identity import Authority, push_account
+
+    a = Authority(authority)
+    try:
+        a.revoke(name)
+        answer = asyncio.run(push_account(nats, a))
+    except ValueError as exc:
+        fail(str(exc))
+    except (OSError, nats_errors.Error) as exc:
+        fail(f"revoked in {authority}, but the servers at {nats} did not take the update: {exc}")
+    typer.echo(f"revoked {name}; servers: {answer}")
+
+
+@credentials_app.command("list")
+def credentials_list(authority: Path = AuthorityOption) -> None:
+    """Every credential issued, its role, and whether it is revoked."""
+    from neuron_bus.trust.identity import Authority
+
+    a = Authority(authority)
+    revoked = a.revoked_keys()
+    for name, entries in sorted(a.issued().items()):
+        for e in entries:
+            typer.echo(f"{name}\t{e['role']}\t{e['key']}\t{'revoked' if e['key'] in revoked else 'valid'}")

@@ -20,8 +20,8 @@ from neuron_bus.artifacts.gguf_model import ArtifactError, GGUFModel
 from neuron_bus.artifacts.work import owned_layer_work
 from neuron_bus.cli.app import NatsOption, app, fail
 from neuron_bus.execution import DEFAULT_N_CTX, BackendError, open_range, open_tokenizer
-from neuron_bus.subjects import check_token
-from neuron_bus.topology import connect, ensure_topology
+from neuron_bus.subjects import PUBLIC_OWNER, check_token
+from neuron_bus.topology import connect, ensure_topology, identity_of, owner_of
 from neuron_bus.trust import fault as faults
 from neuron_bus.worker.service import WorkerOptions, WorkerService
 from neuron_bus.worker.source import Source, auto_source, fetch_range, fetch_slice, local_source, parse_size
@@ -136,7 +136,14 @@ def node_fit(layers: str | None, max_layers: int | None, max_memory: str | None,
 async def serve(url: str, node: Node, loaded, options: WorkerOptions, metrics_port: int | None) -> None:
     backend, tokenizer, report, _ = loaded
     nc = await connect(url, name=f"neuron-worker-{report.node_id}")
-    await ensure_topology(nc.jetstream())
+    identity = identity_of(nc)
+    if identity is not None and identity.name != report.node_id:
+        await nc.close()
+        raise ValueError(f"this credential is node {identity.name}'s, not {report.node_id}'s (--node-id)")
+    if options.require_keys is None:  # auto: a node on an authenticated bus requires session keys
+        options.require_keys = identity is not None or owner_of(nc) != PUBLIC_OWNER
+    if identity is None:  # a per-node credential may not create streams: `neuron-bus server` provisions
+        await ensure_topology(nc.jetstream())
     reload = node.reloader(nc.jetstream()) if node.fit is not None else None  # only a self-placed node moves
     service = WorkerService(nc, backend, tokenizer, report, options, reload)
     if metrics_port:
@@ -190,6 +197,7 @@ def worker(
     snapshot_nats: str = typer.Option(
         None, help="Cache server holding the neuron-snapshots bucket (default: the bus)."
     ),
+    session_keys: str = typer.Option("auto", help="Sessions without link keys: required | optional | auto."),
 ) -> None:
     """Load a layer range of a GGUF model (given, or chosen by the tracker) and serve every route assigned to it."""
     if (model is None) == (artifact is None):
@@ -205,8 +213,8 @@ def worker(
         check_token(node_id, "node id")
         fit = node_fit(layers, max_layers, max_memory, n_ctx * max_sessions)
         node = Node(node_id, backend, threads, opts, trust_tiers(trust_tier), slow_ms, fit)
-        if snapshot_every < 0:
-            raise ValueError("--snapshot-every must be 0 (off) or positive")
+        if snapshot_every < 0 or session_keys not in ("required", "optional", "auto"):
+            raise ValueError("--snapshot-every must be 0 (off) or positive; --session-keys required, optional or auto")
         if fit is not None and artifact:
             raise ValueError("--layers auto takes --model (a preset, or any), not --artifact")
         loaded = node.load(first_source(nats, model, artifact, layers, node))
@@ -215,5 +223,10 @@ def worker(
     options = WorkerOptions(
         idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms, snapshot_every=snapshot_every,
         snapshot_url=snapshot_nats, owned_layer_work=loaded[3], fault=fault,
+        require_keys={"required": True, "optional": False}.get(session_keys),
     )  # fmt: skip
-    asyncio.run(serve(nats, node, loaded, options, metrics_port))
+    try:
+        asyncio.run(serve(nats, node, loaded, options, metrics_port))
+    except ValueError as exc:  # a credential of another node
+        loaded[0].close()
+        fail(str(exc))

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from neuron_bus import messages as M
@@ -224,9 +225,9 @@ class Bus:
             S.check_token(session_id, "session id")
         except ValueError as exc:
             raise ApiError(422, str(exc), param="session_id", code="invalid_value") from None
-        js = self.client.js
+        js, owner = self.client.js, self.client.owner  # only sessions this gateway opened: they are its own
         try:
-            await js.get_last_msg(S.STREAM_TELEMETRY, S.telemetry(session_id))
+            await js.get_last_msg(S.STREAM_TELEMETRY, S.telemetry(owner, session_id))
         except NotFoundError:
             raise ApiError(
                 404, f"no session {session_id} on the bus", param="session_id", code="unknown_session"
@@ -242,10 +243,11 @@ class Bus:
         # the latest telemetry, then every token and error from the start: the stream keeps them
         subs = [
             await js.subscribe(
-                subject(session_id),
+                subject(owner, session_id),
                 cb=into(kind),
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.LAST if kind == "telemetry" else DeliverPolicy.ALL,
+                config=ConsumerConfig(name=uuid.uuid4().hex),  # named: its filter is in the API subject
             )
             for kind, subject in session_events.SUBJECTS
         ]

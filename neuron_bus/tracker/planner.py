@@ -284,7 +284,7 @@ def to_assignment(plan: Plan, req: RouteRequest, route_id: str, now: float) -> R
                 node_id=h.node_id,
                 layer_start=h.layer_start,
                 layer_end=h.layer_end,
-                subject=hop_subject(route_id, i),
+                subject=hop_subject(route_id, i, h.node_id),
                 backend_id=h.caps.backend_id,
                 cache_abi=h.caps.cache_abi,
                 trust_tier=h.caps.trust_tier,

@@ -30,6 +30,10 @@ Cost per message (n nodes, see registry.py, index.py, planner.py for the parts):
   its own build time and served from that snapshot in between;
 - pings: a bounded sample per interval (latency.py), whatever n is.
 
+A report or heartbeat whose node id is not the one its subject (or KV key) names is ignored and
+counted (`spoofed`): with per-node credentials the server lets a node publish under its own id
+only, so the subject is the sender's proven identity.
+
 On start the registry is rebuilt from KV ``neuron-nodes`` (every report a node ever put) plus the
 live heartbeats; a heartbeat from a node without a report triggers a KV read of its report. The
 tracker does not create streams or buckets: ``neuron-bus server`` provisions them.
@@ -88,6 +92,12 @@ class TrackerError(NeuronBusError):
     """The tracker cannot run: missing buckets, no server."""
 
 
+def _subject_node(subject: str) -> str | None:
+    """The node a ``neuron.node.<node>.<kind>`` subject names."""
+    parts = subject.split(".")
+    return parts[2] if len(parts) == 4 else None
+
+
 def _mono() -> float:
     return time.monotonic()
 
@@ -116,6 +126,7 @@ class TrackerService:
         self.placement: Lease | None = None
         self.placer: Placer | None = None  # joining --layers auto nodes, and moves (holder of the lease only)
         self.trust = TrackerTrust(nc, params.audit_rate)  # replay sampling, audit flags
+        self.spoofed = 0  # reports and heartbeats naming another node than their subject
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -201,7 +212,10 @@ class TrackerService:
     async def _fetch_report(self, node_id: str) -> bool:
         try:
             entry = await self._kv_nodes.get(node_id)
-            self.registry.apply_report(messages.decode(entry.value, CapabilityReport), _mono())
+            caps = messages.decode(entry.value, CapabilityReport)
+            if self._spoofed(caps.node_id, node_id, f"KV {S.KV_NODES}"):
+                return False
+            self.registry.apply_report(caps, _mono())
             return True
         except jserr.KeyNotFoundError:
             log.warning("node %s heartbeats but has no report in %s", node_id, S.KV_NODES)
@@ -224,6 +238,8 @@ class TrackerService:
         except MalformedMessage as exc:
             log.warning("ignored a report on %s: %s", msg.subject, exc)
             return
+        if self._spoofed(caps.node_id, _subject_node(msg.subject), msg.subject):
+            return
         self.registry.apply_report(caps, _mono())
 
     async def _on_heartbeat(self, msg) -> None:
@@ -235,10 +251,19 @@ class TrackerService:
         except MalformedMessage as exc:
             log.debug("ignored a heartbeat on %s: %s", msg.subject, exc)
             return
+        if self._spoofed(hb.node_id, _subject_node(msg.subject), msg.subject):
+            return
         self.registry.apply_heartbeat(hb, _mono())
         if self.registry.needs_report(hb.node_id) and hb.node_id not in self._fetching:
             self._fetching.add(hb.node_id)
             self._spawn(self._refresh_report(hb.node_id))
+
+    def _spoofed(self, claimed: str, proven: str | None, where: str) -> bool:
+        if claimed == proven:
+            return False
+        self.spoofed += 1
+        log.warning("ignored a message on %s claiming to be node %s", where, claimed)
+        return True
 
     async def _on_assignment(self, msg) -> None:
         """Another tracker's assignment (our own come back too: already recorded)."""

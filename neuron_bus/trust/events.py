@@ -14,13 +14,19 @@ from neuron_bus.errors import NeuronBusError
 
 async def stored(js: JetStreamContext, stream: str, subject: str, kind) -> AsyncIterator:
     """Every message of ``stream`` on ``subject`` (wildcards allowed), oldest first, decoded as ``kind``."""
+    async for _subject, msg in stored_on(js, stream, subject, kind):
+        yield msg
+
+
+async def stored_on(js: JetStreamContext, stream: str, subject: str, kind) -> AsyncIterator:
+    """Like `stored`, each message with the subject it was published on."""
     seq = 1
     while True:
         try:
             raw = await js.get_msg(stream, seq=seq, subject=subject, next=True)
         except NotFoundError:
             return
-        yield M.decode(raw.data, kind)
+        yield raw.subject, M.decode(raw.data, kind)
         seq = (raw.seq or seq) + 1
 
 

@@ -16,7 +16,7 @@ from nats.js import JetStreamContext
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
-from neuron_bus.trust.events import stored
+from neuron_bus.trust.events import stored_on
 
 
 def inference_weight(owned_layer_work: float, prefill_tokens: int, decode_tokens: int) -> float:
@@ -54,4 +54,10 @@ def totals(entries: list[M.LedgerEntry]) -> dict[str, NodeTotals]:
 
 
 async def read_ledger(js: JetStreamContext) -> list[M.LedgerEntry]:
-    return [e async for e in stored(js, S.STREAM_LEDGER, S.LEDGER_ALL, M.LedgerEntry)]
+    """Every ledger entry published under the node id it names (per-node credentials let a node
+    publish on ``neuron.ledger.<its id>`` only; an entry claiming another node is left out)."""
+    return [
+        e
+        async for subject, e in stored_on(js, S.STREAM_LEDGER, S.LEDGER_ALL, M.LedgerEntry)
+        if subject == f"{S.ROOT}.ledger.{e.node_id}"
+    ]

@@ -103,8 +103,8 @@ ROLES: dict[str, dict[str, list[str]]] = {
             S.ROUTE_REQUEST,
             S.TRACKER_COVERAGE,
             f"{R}.node.*.ctl",
-            f"{R}.act.*.0.prefill",
-            f"{R}.session.*.error",
+            f"{R}.act.*.*.0.prefill",
+            f"{R}.session.*.*.error",
             f"{R}.telemetry.>",
             "$JS.API.INFO",
             "$JS.API.STREAM.INFO.*",
@@ -122,6 +122,98 @@ ROLES["gateway"] = {
     "publish": ROLES["client"]["publish"] + _js_read(S.STREAM_TOKENS) + _js_read(S.STREAM_TELEMETRY),
     "subscribe": ROLES["client"]["subscribe"],
 }
+
+
+# --------------------------------------------------------------------------------------------
+# Per-identity grants (decentralized auth, identity.py): each credential is allowed its role's
+# subjects *for its own name* only.
+
+
+def _consume(stream: str, filter_subject: str) -> list[str]:
+    """Create, delete and acknowledge push consumers of ``stream`` whose filter is under
+    ``filter_subject`` (consumer names are unguessable MACs: consumers.py)."""
+    return [
+        f"$JS.API.CONSUMER.CREATE.{stream}.*.{filter_subject}",
+        f"$JS.API.CONSUMER.DELETE.{stream}.*",
+        f"$JS.ACK.{stream}.>",
+    ]
+
+
+def _bucket(stream: str) -> list[str]:
+    """Read and write an object bucket (snapshots: MAC'd, and sealed with --encrypt-activations)."""
+    return [*_js_read(stream), f"$JS.API.STREAM.PURGE.{stream}"]
+
+
+_META = ["$JS.API.INFO", "$JS.API.STREAM.INFO.*", "$JS.API.STREAM.NAMES"]
+
+
+def _worker(n: str) -> dict[str, list[str]]:
+    return {
+        "publish": [
+            S.node_caps(n),
+            S.node_heartbeat(n),
+            f"{R}.node.*.ctl",  # pings of its route neighbours
+            f"{R}.act.>",  # into the next hop (and the ring into hop 0): MAC'd with the link key
+            f"{R}.session.*.*.tokens",
+            f"{R}.session.*.*.error",
+            f"{R}.telemetry.>",
+            f"{R}.validation.>",
+            S.ledger(n),
+            f"$KV.{S.KV_NODES}.{n}",
+            "$O.neuron-snapshots.>",
+            *_META,
+            *_consume(S.STREAM_PREFILL, S.node_inputs(n)),
+            *_consume(S.STREAM_DECODE, S.node_inputs(n)),
+            *_bucket("OBJ_neuron-snapshots"),
+            *_js_read("OBJ_neuron-artifacts"),
+            *_js_read(f"KV_{S.KV_NODES}"),
+        ],
+        "subscribe": [S.node_control(n), f"_INBOX.{n}.>"],
+    }
+
+
+def _client(n: str) -> dict[str, list[str]]:
+    return {
+        "publish": [
+            S.ROUTE_REQUEST,
+            S.TRACKER_COVERAGE,
+            f"{R}.node.*.ctl",
+            f"{R}.act.*.*.0.prefill",  # prompt chunks into hop 0 only
+            f"{R}.session.{n}.*.error",
+            f"{R}.telemetry.{n}.>",
+            *_META,
+            *_js_read(S.STREAM_TELEMETRY),  # telemetry is public
+            *_js_read(f"KV_{S.KV_NODES}"),  # capability reports (repair)
+            f"$JS.API.CONSUMER.CREATE.{S.STREAM_TOKENS}.*.{S.owner_sessions(n)}",  # replaying its own tokens
+            f"$JS.API.CONSUMER.DELETE.{S.STREAM_TOKENS}.*",
+        ],
+        "subscribe": [S.owner_sessions(n), f"{R}.telemetry.>", f"{R}.node.*.heartbeat", f"_INBOX.{n}.>"],
+    }
+
+
+def _infra(role: str, n: str) -> dict[str, list[str]]:
+    """The operator's own processes (tracker, auditor) keep their role's lists, with a private inbox."""
+    base = ROLES[role]
+    return {
+        "publish": [p for p in base["publish"] if p != INBOX] + [f"_INBOX.{n}.>"],
+        "subscribe": [p for p in base["subscribe"] if p != INBOX] + [f"_INBOX.{n}.>"],
+    }
+
+
+def grants(role: str, name: str) -> dict[str, list[str]]:
+    """The subjects credential ``name`` of ``role`` may publish and subscribe (subjects.md, Permissions)."""
+    S.check_token(name, "name")
+    if role == "worker":
+        return _worker(name)
+    if role in ("client", "gateway"):
+        return _client(name)
+    if role in ("tracker", "auditor"):
+        return _infra(role, name)
+    if role == "observer":
+        return {"publish": [*_js_read(S.STREAM_TELEMETRY)], "subscribe": [f"{R}.telemetry.>", f"_INBOX.{name}.>"]}
+    if role == "admin":
+        return {"publish": [">"], "subscribe": [">"]}
+    raise ValueError(f"unknown role {role!r}: one of worker, tracker, auditor, client, gateway, observer, admin")
 
 
 def new_passwords(roles=tuple(ROLES)) -> dict[str, str]:

@@ -98,6 +98,7 @@ class AuditTrail:
             chunk_size=open_.chunk_size,
             finish_reason=finish,
             tail_node_id=self.report.node_id,
+            activation_auth="aead" if open_.encrypt else "mac" if open_.input_key else "none",
         )
         await self._publish(S.validation(open_.session_id), event)
 

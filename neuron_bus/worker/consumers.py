@@ -7,10 +7,16 @@ only once its output was accepted downstream are what hold a slow hop's upstream
 work-queue stream allows one consumer per subject: binding first deletes consumers left on it by
 an earlier binding or a previous run of this node. Every received message becomes an `Incoming`
 on the phase's queue.
+
+With a per-node credential (``secret``: derived from the node's key) a consumer's name is a MAC of
+its subject: the node finds its own leftovers again after a restart without listing the stream's
+consumers (its credential may not), and no other node can guess the name to delete or ack it.
+Without one, consumers are named by the server and leftovers are found by listing.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 from nats.aio.msg import Msg
@@ -26,8 +32,16 @@ INACTIVE_S = 30.0  # the server removes a consumer nobody is bound to after this
 
 
 class RouteConsumers:
-    def __init__(self, js, deliver: Callable[[str, Incoming], None], decode_ack_pending: int, prefill_ack_pending: int):
+    def __init__(
+        self,
+        js,
+        deliver: Callable[[str, Incoming], None],
+        decode_ack_pending: int,
+        prefill_ack_pending: int,
+        secret: bytes | None = None,
+    ):
         self.js = js
+        self.secret = secret
         self.deliver = deliver  # (phase, message): queue it for the engine
         self.decode_ack_pending = decode_ack_pending
         self.prefill_ack_pending = prefill_ack_pending
@@ -50,8 +64,9 @@ class RouteConsumers:
             async def received(msg: Msg, phase=phase) -> None:
                 self.deliver(phase, Incoming(msg, msg.headers, msg.data))
 
-            subject = S.hop_input(route.route_id, hop_index, phase)
-            await self._drop(stream, subject)
+            subject = S.hop_input(route.hops[hop_index].node_id, route.route_id, hop_index, phase)
+            name = self.name(subject)
+            await self._drop(stream, subject, name)
             sub = await self.js.subscribe(
                 subject,
                 stream=stream,
@@ -59,6 +74,7 @@ class RouteConsumers:
                 manual_ack=True,
                 pending_msgs_limit=-1,
                 config=ConsumerConfig(
+                    name=name,
                     ack_policy=AckPolicy.EXPLICIT,
                     deliver_policy=DeliverPolicy.ALL,
                     max_ack_pending=pending,
@@ -73,7 +89,7 @@ class RouteConsumers:
         for sub, stream, subject in self._bound.pop(route_id, []):
             try:
                 await sub.unsubscribe()
-                await self._drop(stream, subject)
+                await self._drop(stream, subject, self.name(subject))
             except Exception:  # connection already closing
                 pass
 
@@ -81,8 +97,20 @@ class RouteConsumers:
         for route_id in list(self._bound):
             await self.unbind(route_id)
 
-    async def _drop(self, stream: str, subject: str) -> None:
+    def name(self, subject: str) -> str | None:
+        """The consumer's name: a MAC of its subject under the node's secret (None: the server names it)."""
+        if self.secret is None:
+            return None
+        return hashlib.blake2b(subject.encode(), key=self.secret, digest_size=12).hexdigest()
+
+    async def _drop(self, stream: str, subject: str, name: str | None) -> None:
         """Delete consumers left on ``subject`` (by an earlier binding or a previous run of this node)."""
+        if name is not None:
+            try:
+                await self.js.delete_consumer(stream, name)
+            except Exception:  # none left
+                pass
+            return
         for info in await self.js.consumers_info(stream):
             if info.config.filter_subject == subject:
                 try:

@@ -1,8 +1,9 @@
 """A worker's control plane: the requests on ``neuron.node.<id>.ctl``, one handler each.
 
 Ping (latency probes), SessionsQuery (`neuron-bus sessions`), TokenizeRequest (the head tokenizes
-prompts and applies the chat template), SessionOpen / SessionResume / SessionClose (lifecycle.py),
-MoveRange (the tracker moves a self-placed node: mover.py).
+prompts and applies the chat template), SessionOpen / SessionResume / SessionClose (lifecycle.py;
+closing and moving a session need its client's proof, engine.py), MoveRange (the tracker moves a
+self-placed node: mover.py).
 Every failure is an explicit `ControlError` reply naming its reason, never silence.
 """
 
@@ -51,6 +52,7 @@ class ControlPlane:
         if isinstance(req, M.MoveRange):
             return self.mover.accept(req)
         if isinstance(req, M.SessionClose):
+            self.lifecycle.engine.check_close(req)
             freed = await self.lifecycle.close(req.session_id)
             return M.SessionClosed(session_id=req.session_id, node_id=self.node_id, freed_bytes=freed)
         raise ValueError(f"unsupported control request {type(req).__name__}")

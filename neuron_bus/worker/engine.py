@@ -5,7 +5,8 @@ core and the process around it).
 
 One batch goes through three calls:
 - `admit(batch, phase)`: decode each message (codec) and check its session state key against the
-  session table before any model work; a mismatch is a typed `Rejection`, never a silent
+  session table, then its MAC with the session's input link key (trust/sealing.py; a sealed body
+  is opened only then), before any model work; a mismatch is a typed `Rejection`, never a silent
   continuation; a second step of one session in one batch is a replay.
 - `compute(steps, phase)`: the backend call — one batched call for a decode wave, one call for a
   prefill chunk; a batch that fails as a whole is re-run step by step, so only the bad session
@@ -32,6 +33,7 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage, NeuronBusError, SessionMismatch
 from neuron_bus.trust import fault as faults
+from neuron_bus.trust import sealing
 from neuron_bus.worker.session_table import HopSession, SessionTable
 from neuron_bus.worker.tail import TailDecoder, TokenStep
 
@@ -42,6 +44,7 @@ class EngineOptions:
     slow_ms: float = 0.0  # add this much delay per backend call (fault injection for tests)
     snapshot_every: int = 0  # a snapshot is due whenever a decoding session crosses a multiple of this
     fault: str | None = None  # fault injection for audit tests: "perturb" (trust/fault.py)
+    require_keys: bool = False  # refuse sessions opened without link keys (a worker with a credential does)
 
 
 @dataclass
@@ -134,6 +137,10 @@ def snapshot_due(every: int, before: int, after: int, prompt_tokens: int) -> boo
     return bool(every) and after >= prompt_tokens and before // every != after // every
 
 
+def _input_of(route: M.RouteAssignment, hop_index: int, phase: str) -> str:
+    return S.hop_input(route.hops[hop_index].node_id, route.route_id, hop_index, phase)
+
+
 class HopEngine:
     def __init__(self, node_id: str, cache_abi: str, backend, tokenizer, trail, options: EngineOptions | None = None):
         self.node_id = node_id
@@ -154,10 +161,7 @@ class HopEngine:
         seen: set[str] = set()
         for m in batch:
             try:
-                header, x = codec.decode(m.headers, m.data, max_body=self.opts.max_body)
-                if header.phase != phase:
-                    raise SessionMismatch("wrong_phase", f"{header.phase} message on the {phase} subject")
-                s = self.sessions.check(header)
+                s, header, x = self._admit(m, phase)
                 if s.session_id in seen:  # a copy of a step already in this batch
                     raise SessionMismatch("replayed", f"a second step for session {s.session_id} in one batch")
             except (MalformedMessage, SessionMismatch) as exc:
@@ -169,6 +173,23 @@ class HopEngine:
             seen.add(s.session_id)
             steps.append(Step(m.handle, s, header, x))
         return steps, rejected
+
+    def _admit(self, m: Incoming, phase: str) -> tuple[HopSession, M.ActivationHeader, np.ndarray]:
+        """Header, (plain) body, state key, MAC, (sealed) body: each refused with its reason in that order."""
+        header = codec.decode_header(m.headers)
+        held = self.sessions.get(header.session_id)
+        sealed = held is not None and held.open.encrypt
+        x = None if sealed else codec.decode_body(header, m.data, max_body=self.opts.max_body)
+        if header.phase != phase:
+            raise SessionMismatch("wrong_phase", f"{header.phase} message on the {phase} subject")
+        s = self.sessions.check(header)
+        if s.open.input_key:  # an authenticated session: nothing unsigned reaches the model
+            body = sealing.verify(header, m.data, s.open.input_key, s.open.encrypt)
+            if s.open.encrypt:
+                x = codec.decode_body(header, body, max_body=self.opts.max_body)
+        if x is None:  # the session was sealed when the body arrived and is not now (closed, reopened)
+            raise SessionMismatch("bad_seal", f"session {s.session_id}: sealed body for an unsealed session")
+        return s, header, x
 
     # ------------------------------------------------------------------ compute
 
@@ -221,9 +242,9 @@ class HopEngine:
         s, h = st.session, st.header
         if s.tail is None:  # hidden states on to the next hop
             nxt = s.header(s.hop_index + 1, h.position, h.phase, s.out_seq, s.route.wire_dtype)
-            headers, body = codec.encode(nxt, out, max_body=self.opts.max_body)
+            headers, body = self._pack(s, nxt, out)
             s.out_seq += 1
-            send = Send(S.hop_input(s.route.route_id, s.hop_index + 1, h.phase), body, headers, seam=h.phase)
+            send = Send(_input_of(s.route, s.hop_index + 1, h.phase), body, headers, seam=h.phase)
             return Output(st, [send], snapshot=snapshot)
         end = h.position + st.positions
         if end < s.prefill_end:  # a prefill (or repair replay) chunk that is not the last: progress only
@@ -241,11 +262,18 @@ class HopEngine:
             s.finished = True
         else:  # the ring step first: it is the critical path of the next token
             head = s.header(0, position, "decode", tail.ring_seq(token.index), "i32")
-            headers, body = codec.encode(head, np.array([token.delta.token_id], dtype=np.int32))
-            sends.append(Send(S.hop_input(s.route.route_id, 0, "decode"), body, headers, seam="decode"))
-        sends.append(Send(S.session_tokens(s.session_id), M.encode(token.delta)))
+            headers, body = self._pack(s, head, np.array([token.delta.token_id], dtype=np.int32))
+            sends.append(Send(_input_of(s.route, 0, "decode"), body, headers, seam="decode"))
+        sends.append(Send(S.session_tokens(s.open.owner, s.session_id), M.encode(token.delta)))
         telemetry = tail.progress.snapshot() if token.finished or tail.progress.due() else None
         return Output(st, sends, telemetry=telemetry, token=token, snapshot=snapshot and not token.finished)
+
+    def _pack(self, s: HopSession, header: M.ActivationHeader, array: np.ndarray) -> tuple[dict[str, str], bytes]:
+        """Encode an output and, on an authenticated session, sign (and seal) it with the output link key."""
+        headers, body = codec.encode(header, array, max_body=self.opts.max_body)
+        if not s.open.output_key:
+            return headers, body
+        return sealing.seal(header, headers, body, s.open.output_key, s.open.encrypt)
 
     def is_current(self, s: HopSession) -> bool:
         """Is ``s`` still this node's session (not closed, not replaced by a repaired route's)?"""
@@ -278,7 +306,31 @@ class HopEngine:
             )
         if req.chunk_size <= 0:
             raise ValueError("chunk size must be positive")
+        self._check_keys(req)
         return hop
+
+    def _check_keys(self, req: M.SessionOpen) -> None:
+        """The session's owner and link keys: required when this node requires them, well formed,
+        and an open of a session this node holds must come from the client that holds its key."""
+        S.check_token(req.owner, "owner")
+        if self.opts.require_keys and not (req.input_key and req.output_key):
+            raise NeuronBusError("unauthenticated", f"{self.node_id} requires session keys (SessionOpen.input_key)")
+        for key in (req.input_key, req.output_key):
+            if key:
+                sealing.LinkKey.parse(key)
+        old = self.sessions.get(req.session_id)
+        if old is not None and old.open.input_key and old.open.input_key != req.input_key:
+            raise NeuronBusError("session_exists", f"{self.node_id} holds session {req.session_id} for another client")
+
+    def check_close(self, req: M.SessionClose) -> None:
+        """Only the client that opened a session (it holds the hop's input key) may close it."""
+        s = self.sessions.get(req.session_id)
+        if (
+            s is not None
+            and s.open.input_key
+            and not sealing.check_proof(s.open.input_key, req.proof, "close", req.session_id)
+        ):
+            raise NeuronBusError("not_owner", f"closing session {req.session_id} needs its client's proof")
 
     def check_resume(self, req: M.SessionResume) -> HopSession | None:
         """The session a resume replaces here (None: a new replacement node), after checking ``req``."""
@@ -289,6 +341,12 @@ class HopEngine:
                 f"resume at {req.position} with replay up to {req.replay_end} does not fit n_ctx {o.n_ctx}"
             )
         old = self.sessions.get(o.session_id)
+        if (
+            old is not None
+            and old.open.input_key
+            and not sealing.check_proof(old.open.input_key, req.proof, *sealing.resume_parts(req))
+        ):
+            raise NeuronBusError("not_owner", f"moving session {o.session_id} needs its client's proof")
         if req.restore and old is not None:
             raise ValueError(f"session {o.session_id} is already open here; only a replacement restores")
         if not req.restore and old is None:  # e.g. this node restarted: its hot KV is gone

@@ -11,7 +11,20 @@ from __future__ import annotations
 import time
 
 from neuron_bus import messages as M
+from neuron_bus.errors import NeuronBusError
+from neuron_bus.trust import sealing
 from neuron_bus.worker.snapshots import object_name
+
+
+def unseal(meta: M.SnapshotMeta, blob: bytes, open_: M.SessionOpen) -> bytes:
+    """A snapshot's state, checked against the session's key for this hop (refused when it does not
+    match, or when an authenticated session finds an unprotected snapshot)."""
+    if not open_.input_key:
+        return blob
+    try:
+        return sealing.open_snapshot(meta, blob, open_.input_key)
+    except ValueError as exc:
+        raise NeuronBusError("no_snapshot", str(exc)) from None
 
 
 class SessionLifecycle:
@@ -51,6 +64,7 @@ class SessionLifecycle:
         snapshot = None
         if req.restore:
             meta, blob = await self.snapshots.find(o.session_id, req.position)
+            blob = unseal(meta, blob, o)
             await self.runner.call(self.backend.import_state, o.session_id, o.n_ctx, meta.position, blob)
             position, snapshot = meta.position, object_name(meta)
         else:

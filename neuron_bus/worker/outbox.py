@@ -93,7 +93,7 @@ class Outbox:
         if out.token is not None and out.finished and s.tail is not None:
             await self.trail.validation(s.open, s.tail.generated, out.token.delta.finish_reason)
         if out.telemetry is not None:
-            await self.nc.publish(S.telemetry(s.session_id), M.encode(out.telemetry))
+            await self.nc.publish(S.telemetry(s.open.owner, s.session_id), M.encode(out.telemetry))
 
     async def _snapshot(self, s: HopSession) -> None:
         """Export the session's cache now (it is at a snapshot position) and upload it in the background."""
@@ -118,18 +118,17 @@ class Outbox:
             self.reject(Rejection(o.step.handle, o.reason, o.message, s.session_id, s.route.route_id))
 
     def reject(self, r: Rejection) -> None:
-        """Count and refuse a message; tell its session (non-fatal), if its id can name one."""
+        """Count and refuse a message; tell its session's client (non-fatal) if this node holds it."""
         self.metrics.reject(r.reason)
         self._background.spawn(r.handle.term())
-        try:
-            subject = S.session_error(r.session_id)
-        except ValueError:
-            return  # no usable session id: counted, nobody to tell
-        s = self.engine.sessions.get(r.session_id)
+        s = self.engine.sessions.get(r.session_id) if r.session_id else None
+        if s is None:
+            return  # no session of this node: counted, nobody to tell (its owner is unknown here)
+        subject = S.session_error(s.open.owner, s.session_id)
         err = M.SessionError(
             session_id=r.session_id,
             route_id=r.route_id,
-            phase=s.phase if s else "failed",
+            phase=s.phase,
             code=r.reason,
             message=f"{self.node_id}: rejected message: {r.message}",
             node_id=self.node_id,
@@ -149,8 +148,8 @@ class Outbox:
             position=s.position,
             fatal=True,
         )
-        await self.nc.publish(S.session_error(s.session_id), M.encode(err))
+        await self.nc.publish(S.session_error(s.open.owner, s.session_id), M.encode(err))
         if s.tail is not None:
             s.tail.progress.fail(f"{code}: {message}", s.phase, self.node_id)
-            await self.nc.publish(S.telemetry(s.session_id), M.encode(s.tail.progress.snapshot()))
+            await self.nc.publish(s.tail.progress.subject, M.encode(s.tail.progress.snapshot()))
         await self.lifecycle.close(s.session_id, failed=True)

@@ -25,6 +25,7 @@ from neuron_bus import codec
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.timing import HEARTBEAT_INTERVAL_S
+from neuron_bus.topology import identity_of
 from neuron_bus.worker.audit_trail import AuditTrail
 from neuron_bus.worker.consumers import RouteConsumers
 from neuron_bus.worker.control import ControlPlane
@@ -58,9 +59,10 @@ class WorkerOptions:
     snapshot_url: str | None = None  # the cache server holding neuron-snapshots (None: the bus)
     owned_layer_work: float = 0.0  # millions of weights multiplied per token (artifacts/work.py): the ledger's unit
     fault: str | None = None  # fault injection for audit tests: "perturb" (trust/fault.py)
+    require_keys: bool | None = False  # refuse sessions without link keys (`worker --session-keys`; None: auto)
 
     def engine(self) -> EngineOptions:
-        return EngineOptions(self.max_body, self.slow_ms, self.snapshot_every, self.fault)
+        return EngineOptions(self.max_body, self.slow_ms, self.snapshot_every, self.fault, bool(self.require_keys))
 
 
 class WorkerService:
@@ -83,8 +85,13 @@ class WorkerService:
         self.queues: dict[str, deque[Incoming]] = {"decode": deque(), "prefill": deque()}
         self._work = asyncio.Event()
         self.waves = DecodeWaves(self.queues["decode"], self._work, self.opts.max_decode_batch, self.opts.batch_wait_ms)
+        identity = identity_of(nc)
         self.consumers = RouteConsumers(
-            self.js, self._queue, self.opts.decode_ack_pending, self.opts.prefill_ack_pending
+            self.js,
+            self._queue,
+            self.opts.decode_ack_pending,
+            self.opts.prefill_ack_pending,
+            secret=identity.secret if identity is not None else None,
         )
         self.node_telemetry = NodeTelemetry(self.node_id)
         self.snapshots = SnapshotStore(nc, report, self.metrics, url=self.opts.snapshot_url)

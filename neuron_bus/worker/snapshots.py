@@ -32,6 +32,7 @@ from neuron_bus import subjects as S
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.tasks import Background
 from neuron_bus.topology import connect, object_store
+from neuron_bus.trust import sealing
 
 log = logging.getLogger("neuron_bus.worker.snapshots")
 
@@ -137,6 +138,8 @@ class SnapshotStore:
             nbytes=len(blob),
             created_at=time.time(),
         )
+        if s.open.input_key:  # MAC'd (and sealed) under the hop's input key: trust/sealing.py
+            blob = sealing.seal_snapshot(meta, blob, s.open.input_key, s.open.encrypt)
         task = asyncio.create_task(self._upload(meta, blob))
         sid = s.session_id
         self._inflight[sid] = task

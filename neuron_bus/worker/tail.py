@@ -43,7 +43,12 @@ class TailDecoder:
         self.decoder = tokenizer.stream_decoder()
         route = open_.route
         self.progress = GenerationProgress(
-            open_.session_id, route.route_id, route.model_preset, [h.node_id for h in route.hops], open_.prompt_tokens
+            open_.session_id,
+            route.route_id,
+            route.model_preset,
+            [h.node_id for h in route.hops],
+            open_.prompt_tokens,
+            owner=open_.owner,
         )
         self.generated: list[int] = []
         self.text = ""  # the text the client has been sent
