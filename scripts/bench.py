@@ -41,7 +41,7 @@ from neuron_bus.client import NeuronClient  # noqa: E402
 from neuron_bus.execution import open_reference, open_tokenizer  # noqa: E402
 from neuron_bus.local_swarm import LocalSwarm  # noqa: E402
 from neuron_bus.natsserver import free_port  # noqa: E402
-from scripts import bench_record, jetstream_floor  # noqa: E402
+from scripts import bench_record, bench_swarm, jetstream_floor  # noqa: E402
 
 PREFILL_SIZES = (512, 2048, 4096)
 
@@ -382,6 +382,8 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
         )  # fmt: skip
         print(f"  {name} done ({time.time() - t:.0f}s)", flush=True)
 
+    swarm = bench_swarm.measure(model_path, threads, work)
+    print(f"  self-organizing swarm done: {swarm}", flush=True)
     paired = paired_decode(model_path, threads, ids_by_size[min(sizes)], n_decode, work)
     security = security_cost(paired_security(model_path, threads, ids_by_size[min(sizes)], n_decode, work))
     paired_ratios = [r / s for s, r in paired]
@@ -486,6 +488,7 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
         "route2_no_mac_prefill_tok_s": contenders["route2 no MAC"]["prefill_tok_s"],
         "route2_aead_prefill_tok_s": contenders["route2 AEAD"]["prefill_tok_s"],
         "security_paired": security,
+        **swarm,
         "peak_rss_bytes": {name: r["peak_rss_bytes"] for name, r in contenders.items()}
         | {"single": single["rss_bytes"]},
     }
