@@ -16,6 +16,7 @@ import asyncio
 from collections import deque
 
 from neuron_bus.errors import RouteError
+from workers.errors import Reason
 
 DEFAULT_LIMIT = 64
 RETRY_S = 1.0
@@ -39,7 +40,7 @@ class Admission:
         """Join the queue (``queue_full`` when it is at its limit and not empty)."""
         if len(self._queue) >= self.limit:
             raise RouteError(
-                "queue_full", f"{len(self._queue)} generations are already waiting for a free session slot"
+                Reason.QUEUE_FULL, f"{len(self._queue)} generations are already waiting for a free session slot"
             )
         ticket = Ticket()
         self._queue.append(ticket)

@@ -27,6 +27,7 @@ from neuron_bus.generation import PREFILL_RETRIES, STALL_TIMEOUT_S, GenerationRu
 from neuron_bus.models import DEFAULT_PRESET
 from neuron_bus.timing import AVOID_LOST_S
 from neuron_bus.topology import connect, owner_of
+from workers.errors import Reason
 
 
 @dataclass
@@ -99,7 +100,7 @@ class NeuronClient:
 
     # ------------------------------------------------------------------ requests
 
-    async def ask(self, subject: str, req, timeout: float, unanswered: str, reason: str, node_id: str | None = None):
+    async def ask(self, subject: str, req, timeout: float, unanswered: str, reason: Reason, node_id: str | None = None):
         """One request/reply. When nothing answers, the error names the part that failed: the bus
         itself when this client has lost its NATS connection, else the responder (``unanswered``)."""
         if not self.nc.is_connected:
@@ -114,28 +115,28 @@ class NeuronClient:
     def bus_down(self) -> RouteError:
         where = f" at {self.url}" if self.url else ""
         return RouteError(
-            "bus_unreachable",
+            Reason.BUS_UNREACHABLE,
             f"the bus is unreachable: no connection to the NATS server{where} (is nats-server running?)",
         )
 
     async def control(self, node_id: str, req, timeout: float = CONTROL_TIMEOUT_S):
         msg = await self.ask(
-            S.node_control(node_id), req, timeout, f"node {node_id} did not answer", "node_unreachable", node_id
+            S.node_control(node_id), req, timeout, f"node {node_id} did not answer", Reason.NODE_UNREACHABLE, node_id
         )
         reply = M.decode(msg.data, M.ControlReply)
         if isinstance(reply, M.ControlError):
-            raise RouteError(reply.code, f"{node_id}: {reply.message}", node_id=node_id)
+            raise RouteError(Reason.of(reply.code), f"{node_id}: {reply.message}", node_id=node_id)
         return reply
 
     async def coverage(self, model_preset: str | None = None, timeout: float = CONTROL_TIMEOUT_S) -> M.CoverageReport:
         """The tracker's coverage map (every model, or one)."""
         req = M.CoverageRequest(model_preset=model_preset)
         msg = await self.ask(
-            S.TRACKER_COVERAGE, req, timeout, f"no tracker answered on {S.TRACKER_COVERAGE}", "no_tracker"
+            S.TRACKER_COVERAGE, req, timeout, f"no tracker answered on {S.TRACKER_COVERAGE}", Reason.NO_TRACKER
         )
         reply = M.decode(msg.data, M.CoverageReport | M.ControlError)
         if isinstance(reply, M.ControlError):
-            raise RouteError(reply.code, reply.message)
+            raise RouteError(Reason.of(reply.code), reply.message)
         return reply
 
     async def prepare(
@@ -160,7 +161,7 @@ class NeuronClient:
             tokenize = M.TokenizeRequest(text=prompt, messages=messages)
             prompt_tokens = (await self.control(route.hops[0].node_id, tokenize)).tokens
         if not prompt_tokens:
-            raise RouteError("empty_prompt", "the prompt has no tokens")
+            raise RouteError(Reason.EMPTY_PROMPT, "the prompt has no tokens")
         return Prepared(route, list(prompt_tokens))
 
     async def route(
@@ -187,11 +188,11 @@ class NeuronClient:
             request_id=uuid.uuid4().hex, model_preset=model_preset, wire_dtype=wire_dtype, encoding=encoding, **pins
         )
         msg = await self.ask(
-            S.ROUTE_REQUEST, req, CONTROL_TIMEOUT_S, f"no tracker answered on {S.ROUTE_REQUEST}", "no_tracker"
+            S.ROUTE_REQUEST, req, CONTROL_TIMEOUT_S, f"no tracker answered on {S.ROUTE_REQUEST}", Reason.NO_TRACKER
         )
         reply = M.decode(msg.data, M.RouteReply)
         if isinstance(reply, M.RouteRejection):
-            raise RouteError("no_route", "no route: " + "; ".join(reply.reasons))
+            raise RouteError(Reason.NO_ROUTE, "no route: " + "; ".join(reply.reasons))
         return reply
 
     async def sessions(self, node_id: str) -> M.SessionsReport:

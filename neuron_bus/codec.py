@@ -20,6 +20,7 @@ import zstandard
 
 from neuron_bus.errors import MalformedMessage
 from neuron_bus.messages import ActivationHeader
+from workers.errors import Reason
 
 DTYPES: dict[str, np.dtype] = {
     "f32": np.dtype("<f4"),
@@ -58,13 +59,13 @@ def _header_to_nats(h: ActivationHeader) -> dict[str, str]:
 
 def _header_from_nats(headers: dict[str, str] | None) -> ActivationHeader:
     if not headers:
-        raise MalformedMessage("missing_header", "activation has no headers")
+        raise MalformedMessage(Reason.MISSING_HEADER, "activation has no headers")
     raw: dict[str, object] = {}
     for name in _FIELDS:
         if name not in headers:
             if name in _OPTIONAL:
                 continue
-            raise MalformedMessage("missing_header", f"activation header {name!r} is missing")
+            raise MalformedMessage(Reason.MISSING_HEADER, f"activation header {name!r} is missing")
         value = headers[name]
         try:
             if name in _INT_FIELDS:
@@ -74,23 +75,25 @@ def _header_from_nats(headers: dict[str, str] | None) -> ActivationHeader:
             else:
                 raw[name] = value
         except ValueError:
-            raise MalformedMessage("bad_header", f"activation header {name}={value!r} is not valid") from None
+            raise MalformedMessage(Reason.BAD_HEADER, f"activation header {name}={value!r} is not valid") from None
     dtype, encoding = raw.get("dtype"), raw.get("encoding", "raw")
     if dtype not in DTYPES:
         raise MalformedMessage(
-            "unknown_dtype", f"unknown activation dtype {dtype!r} (expected one of {', '.join(DTYPES)})"
+            Reason.UNKNOWN_DTYPE, f"unknown activation dtype {dtype!r} (expected one of {', '.join(DTYPES)})"
         )
     if encoding not in ENCODINGS:
-        raise MalformedMessage("unknown_encoding", f"unknown activation encoding {encoding!r} (expected raw or zstd)")
+        raise MalformedMessage(
+            Reason.UNKNOWN_ENCODING, f"unknown activation encoding {encoding!r} (expected raw or zstd)"
+        )
     try:
         header = msgspec.convert(raw, ActivationHeader)
     except msgspec.ValidationError as exc:
-        raise MalformedMessage("bad_header", f"activation header: {exc}") from None
+        raise MalformedMessage(Reason.BAD_HEADER, f"activation header: {exc}") from None
     if any(d < 0 for d in header.shape) or header.position < 0 or header.seq < 0:
-        raise MalformedMessage("bad_header", "activation header has a negative shape, position or seq")
+        raise MalformedMessage(Reason.BAD_HEADER, "activation header has a negative shape, position or seq")
     if header.layer_start < 0 or header.layer_end <= header.layer_start:
         raise MalformedMessage(
-            "bad_header", f"activation header has an empty layer range {header.layer_start}-{header.layer_end}"
+            Reason.BAD_HEADER, f"activation header has an empty layer range {header.layer_start}-{header.layer_end}"
         )
     return header
 
@@ -104,9 +107,9 @@ def encode(
     the array.
     """
     if header.dtype not in DTYPES:
-        raise MalformedMessage("unknown_dtype", f"unknown activation dtype {header.dtype!r}")
+        raise MalformedMessage(Reason.UNKNOWN_DTYPE, f"unknown activation dtype {header.dtype!r}")
     if header.encoding not in ENCODINGS:
-        raise MalformedMessage("unknown_encoding", f"unknown activation encoding {header.encoding!r}")
+        raise MalformedMessage(Reason.UNKNOWN_ENCODING, f"unknown activation encoding {header.encoding!r}")
     header.shape = [int(d) for d in array.shape]
     if header.dtype == "bf16":
         body = f32_to_bf16(array).tobytes()
@@ -115,7 +118,9 @@ def encode(
     if header.encoding == "zstd":
         body = _compressor.compress(body)
     if len(body) > max_body:
-        raise MalformedMessage("oversized", f"activation body of {len(body)} bytes exceeds the limit of {max_body}")
+        raise MalformedMessage(
+            Reason.OVERSIZED, f"activation body of {len(body)} bytes exceeds the limit of {max_body}"
+        )
     return _header_to_nats(header), body
 
 
@@ -135,27 +140,29 @@ def decode_header(headers: dict[str, str] | None) -> ActivationHeader:
 def decode_body(header: ActivationHeader, body: bytes, *, max_body: int = DEFAULT_MAX_BODY) -> np.ndarray:
     """The tensor of a body ``header`` describes (after any MAC check and unsealing)."""
     if len(body) > max_body:
-        raise MalformedMessage("oversized", f"activation body of {len(body)} bytes exceeds the limit of {max_body}")
+        raise MalformedMessage(
+            Reason.OVERSIZED, f"activation body of {len(body)} bytes exceeds the limit of {max_body}"
+        )
     dtype = DTYPES[header.dtype]
     expected = math.prod(header.shape) * dtype.itemsize
     if expected > max_body:
         raise MalformedMessage(
-            "oversized", f"activation shape {header.shape} needs {expected} bytes, over the limit of {max_body}"
+            Reason.OVERSIZED, f"activation shape {header.shape} needs {expected} bytes, over the limit of {max_body}"
         )
     if header.encoding == "zstd":
         try:
             declared = zstandard.frame_content_size(body)  # -1 when the frame does not say
             if declared >= 0 and declared != expected:
                 raise MalformedMessage(
-                    "size_mismatch",
+                    Reason.SIZE_MISMATCH,
                     f"activation body decompresses to {declared} bytes but shape {header.shape} x {header.dtype} needs {expected}",
                 )
             body = zstandard.ZstdDecompressor().decompress(body, max_output_size=max(expected, 1))
         except zstandard.ZstdError as exc:
-            raise MalformedMessage("corrupt_zstd", f"activation body is not valid zstd: {exc}") from None
+            raise MalformedMessage(Reason.CORRUPT_ZSTD, f"activation body is not valid zstd: {exc}") from None
     if len(body) != expected:
         raise MalformedMessage(
-            "size_mismatch",
+            Reason.SIZE_MISMATCH,
             f"activation body has {len(body)} bytes but shape {header.shape} x {header.dtype} needs {expected}",
         )
     array = np.frombuffer(body, dtype=dtype).reshape(header.shape)

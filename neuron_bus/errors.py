@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from workers.errors import Reason
+
 if TYPE_CHECKING:
     from neuron_bus.messages import Phase
 
@@ -11,9 +13,9 @@ if TYPE_CHECKING:
 class NeuronBusError(Exception):
     """Base of every error neuron-bus raises on purpose."""
 
-    reason = "error"
+    reason = Reason.ERROR
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: Reason, message: str):
         super().__init__(message)
         self.reason = reason
 
@@ -36,7 +38,7 @@ class ServerError(NeuronBusError):
 class RouteError(NeuronBusError):
     """A generation that could not run or did not finish: carries the phase, node and reason."""
 
-    def __init__(self, reason: str, message: str, phase: Phase = "queued", node_id: str | None = None):
+    def __init__(self, reason: Reason, message: str, phase: Phase = "queued", node_id: str | None = None):
         super().__init__(reason, message)
         self.phase = phase
         self.node_id = node_id

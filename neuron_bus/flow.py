@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from neuron_bus.errors import NeuronBusError
+from workers.errors import Reason
 
 MAX_WAIT_S = 120.0
 
@@ -64,7 +65,7 @@ async def publish(
             if time.monotonic() > deadline:
                 what = f"{subject} stayed full" if full else f"{subject}: no stream answered"
                 raise NeuronBusError(
-                    "backpressure_timeout" if full else "bus_unavailable", f"{what} for {max_wait:.0f}s"
+                    Reason.BACKPRESSURE_TIMEOUT if full else Reason.BUS_UNREACHABLE, f"{what} for {max_wait:.0f}s"
                 ) from exc
             waits += 1
             if on_wait:

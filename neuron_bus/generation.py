@@ -32,19 +32,20 @@ from neuron_bus.routes import hop_header
 from neuron_bus.telemetry import GenerationProgress
 from neuron_bus.timing import heartbeat_loss_s
 from neuron_bus.trust import sealing
+from workers.errors import Reason
 
 STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route is considered dead
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
 MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
 RETRYABLE = {
-    "draining",  # the node moves to other layers (the tracker routes around it within a heartbeat)
-    "node_lost",
-    "node_unreachable",
-    "prefill_failed",
-    "stalled",
-    "backend_error",
-    "route_failed",
-    "unknown_session",
+    Reason.DRAINING,  # the node moves to other layers (the tracker routes around it within a heartbeat)
+    Reason.NODE_LOST,
+    Reason.NODE_UNREACHABLE,
+    Reason.PREFILL_FAILED,
+    Reason.STALLED,
+    Reason.BACKEND_ERROR,
+    Reason.ROUTE_FAILED,
+    Reason.UNKNOWN_SESSION,
 }
 LIVENESS_CHECK_S = 0.5
 
@@ -157,7 +158,7 @@ class GenerationRun:
                     await self._try_start()
                     return
                 except RouteError as exc:
-                    if exc.reason != "no_free_slot":
+                    if exc.reason != Reason.NO_FREE_SLOT:
                         raise
                     await self._close_sessions()  # the hops that had a slot give it back meanwhile
                     yield await self._queued(0)
@@ -295,20 +296,20 @@ class GenerationRun:
         while True:
             if self.sender.done() and self.sender.exception():
                 raise RouteError(
-                    "prefill_failed", f"sending the prompt failed: {self.sender.exception()}", phase="prefill"
+                    Reason.PREFILL_FAILED, f"sending the prompt failed: {self.sender.exception()}", phase="prefill"
                 )
             try:
                 kind, data = await asyncio.wait_for(self.queue.get(), STALL_TIMEOUT_S)
             except TimeoutError:
                 raise RouteError(
-                    "stalled",
+                    Reason.STALLED,
                     f"no progress from route {self.live_route.route_id} for {STALL_TIMEOUT_S:.0f}s",
                     phase=last_phase,
                 ) from None
             if kind == "lost":
                 node, silent = data
                 raise RouteError(
-                    "node_lost", f"node {node} sent no heartbeat for {silent:.1f}s", phase=last_phase, node_id=node
+                    Reason.NODE_LOST, f"node {node} sent no heartbeat for {silent:.1f}s", phase=last_phase, node_id=node
                 )
             event = session_events.read(kind, data, last_phase)
             if event is None:
@@ -332,7 +333,7 @@ class GenerationRun:
                 self.queue.get_nowait()
             self.route = None
             return True
-        if not (self.repair and exc.reason == "node_lost" and exc.node_id and self.repairs < MAX_REPAIRS):
+        if not (self.repair and exc.reason == Reason.NODE_LOST and exc.node_id and self.repairs < MAX_REPAIRS):
             raise exc
         self.repairs += 1
         self.lost.add(exc.node_id)

@@ -35,6 +35,7 @@ import nats.errors
 import nats.js.errors as jserr
 
 from neuron_bus.errors import NeuronBusError
+from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.lease")
 
@@ -81,10 +82,12 @@ class Lease:
             self._kv = await self.js.key_value(self.bucket)
             status = await self._kv.status()
         except (jserr.BucketNotFoundError, jserr.NotFoundError) as exc:
-            raise LeaseError("missing_bucket", f"lease bucket {self.bucket} not found: provision the server") from exc
+            raise LeaseError(
+                Reason.MISSING_BUCKET, f"lease bucket {self.bucket} not found: provision the server"
+            ) from exc
         self.ttl = status.ttl or 0.0
         if self.ttl <= 0:
-            raise LeaseError("no_ttl", f"lease bucket {self.bucket} has no max age: a lease would never expire")
+            raise LeaseError(Reason.NO_TTL, f"lease bucket {self.bucket} has no max age: a lease would never expire")
 
     async def start(self) -> None:
         """Open the bucket, try once at once, then keep trying (or renewing) in the background."""

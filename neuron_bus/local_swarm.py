@@ -28,6 +28,7 @@ from neuron_bus.natsserver import NatsServer, ServerConfig, check_ports_free, fr
 from neuron_bus.split import model_split
 from neuron_bus.topology import connect, ensure_topology
 from neuron_bus.trust.identity import Authority
+from workers.errors import Reason
 
 
 def cli() -> list[str]:
@@ -298,7 +299,7 @@ class LocalSwarm:
             proc = self.procs["gateway"]
             if proc.poll() is not None:
                 raise NeuronBusError(
-                    "swarm_failed", f"gateway exited with {proc.returncode}: {self.log_tail('gateway')}"
+                    Reason.SWARM_FAILED, f"gateway exited with {proc.returncode}: {self.log_tail('gateway')}"
                 )
             try:
                 with urllib.request.urlopen(f"{self.gateway_url}/healthz", timeout=5) as resp:
@@ -307,7 +308,7 @@ class LocalSwarm:
             except (urllib.error.URLError, OSError) as exc:
                 last = str(exc)
             time.sleep(0.3)
-        raise NeuronBusError("swarm_not_ready", f"gateway not ready after {timeout:.0f}s: {last}")
+        raise NeuronBusError(Reason.SWARM_NOT_READY, f"gateway not ready after {timeout:.0f}s: {last}")
 
     def _start_servers(self, timeout: float) -> None:
         """Start every server at once: clustered JetStream becomes healthy only with its peers."""
@@ -359,7 +360,9 @@ class LocalSwarm:
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
-                    raise NeuronBusError("swarm_failed", f"{name} exited with {proc.returncode}: {self.log_tail(name)}")
+                    raise NeuronBusError(
+                        Reason.SWARM_FAILED, f"{name} exited with {proc.returncode}: {self.log_tail(name)}"
+                    )
             try:
                 alive, route = asyncio.run(self._probe())
                 if want <= alive:
@@ -368,7 +371,7 @@ class LocalSwarm:
             except Exception as exc:
                 last = str(exc)
             time.sleep(0.5)
-        raise NeuronBusError("swarm_not_ready", f"swarm not ready after {timeout:.0f}s: {last}")
+        raise NeuronBusError(Reason.SWARM_NOT_READY, f"swarm not ready after {timeout:.0f}s: {last}")
 
     async def _probe(self) -> tuple[set[str], M.RouteAssignment]:
         from neuron_bus.client import NeuronClient

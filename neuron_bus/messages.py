@@ -17,6 +17,7 @@ from typing import Literal
 
 import msgspec
 
+from workers.errors import Reason
 from workers.protocol import Capability as BackendCapability  # the backends' own report: workers/ owns that interface
 
 SCHEMA_VERSION = 1
@@ -770,4 +771,4 @@ def decode(data: bytes | None, kind):
             or " | ".join(k.__name__ for k in getattr(kind, "__args__", ()))
             or str(kind)
         )
-        raise MalformedMessage("bad_json", f"malformed {name}: {exc}") from exc
+        raise MalformedMessage(Reason.BAD_JSON, f"malformed {name}: {exc}") from exc

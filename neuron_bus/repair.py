@@ -31,6 +31,7 @@ from neuron_bus import subjects as S
 from neuron_bus.errors import NeuronBusError, RouteError
 from neuron_bus.routes import TRUSTED_TIERS, hop_subject
 from neuron_bus.trust import sealing
+from workers.errors import Reason
 
 REPAIR_TIMEOUT_S = 20.0
 
@@ -128,12 +129,12 @@ async def repair(
     ``keys(route, hop_index)`` gives each hop's link keys (the session's, unchanged); a survivor's
     resume carries the proof that this client opened the session (trust/sealing.py)."""
 
-    def fail(reason: str, message: str, node: str | None = dead) -> RouteError:
+    def fail(reason: Reason, message: str, node: str | None = dead) -> RouteError:
         return RouteError(reason, message, phase="decode", node_id=node)
 
     index = next((i for i, h in enumerate(route.hops) if h.node_id == dead), None)
     if index is None:
-        raise fail("repair_failed", f"node {dead} is not on route {route.route_id}")
+        raise fail(Reason.REPAIR_FAILED, f"node {dead} is not on route {route.route_id}")
     node = await replacement(client, route, index, exclude)
     replay_end = session.prompt_tokens + len(generated)
     limit = min([*await surviving_positions(client, route, index, session.session_id), replay_end - 1])
@@ -177,15 +178,17 @@ async def replacement(client, route: M.RouteAssignment, index: int, exclude: set
     reports = await capability_reports(client.js, [x.node_id for x in route.hops if x.node_id != dead])
     problem = rollback_problem(reports, route, index)
     if problem:
-        raise RouteError("no_rollback", problem, "decode", dead)
+        raise RouteError(Reason.NO_ROLLBACK, problem, "decode", dead)
     try:
         report = await client.coverage(route.model_preset, timeout=10)
     except NeuronBusError as exc:
-        raise RouteError("no_tracker", f"no coverage map for a replacement of {dead}: {exc}", "decode", dead) from None
+        raise RouteError(
+            Reason.NO_TRACKER, f"no coverage map for a replacement of {dead}: {exc}", "decode", dead
+        ) from None
     node = pick_replacement(report, route, h, exclude | {dead})
     if node is None:
         raise RouteError(
-            "no_replacement",
+            Reason.NO_REPLACEMENT,
             f"no live node with layers [{h.layer_start}, {h.layer_end}), revision {route.model_revision}, "
             f"backend {h.backend_id} and cache ABI {h.cache_abi} can replace {dead}",
             "decode",
@@ -203,7 +206,7 @@ async def surviving_positions(client, route: M.RouteAssignment, dead_index: int,
         held = [s for s in report.sessions if s.session_id == session_id]
         if not held:
             raise RouteError(
-                "hot_kv_lost",
+                Reason.HOT_KV_LOST,
                 f"node {h.node_id} no longer holds session {session_id} (restarted?)",
                 "decode",
                 h.node_id,

@@ -14,6 +14,7 @@ from __future__ import annotations
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import RouteError
+from workers.errors import Reason
 
 SUBJECTS = (("token", S.session_tokens), ("error", S.session_error), ("telemetry", S.telemetry))  # (owner, id)
 
@@ -32,7 +33,7 @@ def read(kind: str, data: bytes, last_phase: M.Phase) -> Event | None:
         t = M.decode(data, M.GenerationTelemetry)
         if t.phase == "failed":
             raise RouteError(
-                "route_failed",
+                Reason.ROUTE_FAILED,
                 t.failure_reason or "route failed",
                 phase=t.failure_phase or last_phase,
                 node_id=t.failure_node,

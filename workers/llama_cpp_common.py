@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import llama_cpp as L
 import numpy as np
 
-from workers.errors import BackendError, BadInput, UnsupportedModel
+from workers.errors import BackendError, BadInput, Reason, UnsupportedModel
 
 _LIB_DIR = pathlib.Path(L.__file__).resolve().parent / "lib"
 
@@ -52,13 +52,13 @@ _KV_TYPE_BYTES = {"f16": 2.0, "f32": 4.0, "q8_0": 34 / 32}
 class LlamaCppError(BackendError):
     """llama.cpp refused: model load, context creation or decode failed."""
 
-    reason = "llama_cpp_error"
+    reason = Reason.LLAMA_CPP_ERROR
 
 
 class NoFreeSlot(BackendError):
     """Every session slot of the context is taken."""
 
-    reason = "no_free_slot"
+    reason = Reason.NO_FREE_SLOT
 
 
 # -- ggml, from the bundled library ----------------------------------------------------------

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from neuron_bus.artifacts.gguf_model import ArtifactError, GGUFModel, format_layers
+from workers.errors import Reason
 
 ATTENTION, SWA, MLA, DSA, DSA_SHARED = "attention", "swa", "mla", "dsa", "dsa-shared"
 RECURRENT, HC, FFN, MTP = "recurrent", "hc", "ffn", "mtp"
@@ -179,10 +180,10 @@ def loadable(kinds: Sequence[str], start: int, end: int) -> bool:
 
 
 def check_cut(kinds: Sequence[str], start: int, end: int) -> None:
-    """Raise ArtifactError("uncuttable") when layers [start, end) cannot be loaded as a slice."""
+    """Raise ArtifactError(Reason.UNCUTTABLE) when layers [start, end) cannot be loaded as a slice."""
     problem = cut_problem(kinds, start, end)
     if problem:
-        raise ArtifactError("uncuttable", problem)
+        raise ArtifactError(Reason.UNCUTTABLE, problem)
 
 
 # -- what a slice restates -------------------------------------------------------------------------

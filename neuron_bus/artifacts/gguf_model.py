@@ -13,6 +13,7 @@ from pathlib import Path
 import gguf
 
 from neuron_bus.errors import NeuronBusError
+from workers.errors import Reason
 
 META_PREFIX = "neuron_bus."  # our own metadata keys (llama.cpp's gguf-split owns "split.*")
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -42,11 +43,13 @@ def parse_layers(spec: str, n_layers: int | None = None) -> tuple[int, int]:
         else:
             start = last = int(spec)
     except ValueError:
-        raise ArtifactError("bad_range", f"bad layer range {spec!r}: write it as FIRST-LAST, e.g. 16-29") from None
+        raise ArtifactError(Reason.BAD_RANGE, f"bad layer range {spec!r}: write it as FIRST-LAST, e.g. 16-29") from None
     if start < 0 or last < start:
-        raise ArtifactError("bad_range", f"bad layer range {spec!r}: FIRST must be <= LAST and >= 0")
+        raise ArtifactError(Reason.BAD_RANGE, f"bad layer range {spec!r}: FIRST must be <= LAST and >= 0")
     if n_layers is not None and last >= n_layers:
-        raise ArtifactError("bad_range", f"layer range {spec} is outside the model: it has layers 0-{n_layers - 1}")
+        raise ArtifactError(
+            Reason.BAD_RANGE, f"layer range {spec} is outside the model: it has layers 0-{n_layers - 1}"
+        )
     return start, last + 1
 
 
@@ -83,7 +86,7 @@ class GGUFModel:
         self.meta = self.readers[0]
         self.arch = self.field("general.architecture")
         if not isinstance(self.arch, str):
-            raise ArtifactError("not_gguf", f"{self.paths[0]}: no general.architecture in metadata")
+            raise ArtifactError(Reason.NOT_GGUF, f"{self.paths[0]}: no general.architecture in metadata")
         self.tensors: list[Tensor] = []
         for path, reader in zip(self.paths, self.readers):
             for t in reader.tensors:
@@ -102,7 +105,7 @@ class GGUFModel:
         self.by_name = {t.name: t for t in self.tensors}
         block_count = self.field(f"{self.arch}.block_count")
         if block_count is None:
-            raise ArtifactError("corrupt", f"{self.paths[0]}: no {self.arch}.block_count in metadata")
+            raise ArtifactError(Reason.CORRUPT, f"{self.paths[0]}: no {self.arch}.block_count in metadata")
         self.n_layers = int(block_count)
         self._check_complete()
         self._check_experts()
@@ -110,20 +113,20 @@ class GGUFModel:
     @staticmethod
     def _open(path: Path) -> gguf.GGUFReader:
         if not path.is_file():
-            raise ArtifactError("missing", f"{path}: no such file")
+            raise ArtifactError(Reason.MISSING, f"{path}: no such file")
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
-            raise ArtifactError("not_gguf", f"{path}: not a GGUF file (magic {magic!r})")
+            raise ArtifactError(Reason.NOT_GGUF, f"{path}: not a GGUF file (magic {magic!r})")
         try:
             reader = gguf.GGUFReader(path)
         except Exception as exc:  # the reader raises ValueError, IndexError, struct errors...
-            raise ArtifactError("corrupt", f"{path}: truncated or corrupt GGUF ({exc})") from None
+            raise ArtifactError(Reason.CORRUPT, f"{path}: truncated or corrupt GGUF ({exc})") from None
         size = path.stat().st_size
         for t in reader.tensors:
             if int(t.data_offset) + int(t.n_bytes) > size:
                 raise ArtifactError(
-                    "truncated",
+                    Reason.TRUNCATED,
                     f"{path}: truncated GGUF (tensor {t.name} ends at byte "
                     f"{int(t.data_offset) + int(t.n_bytes)}, file has {size})",
                 )
@@ -134,11 +137,11 @@ class GGUFModel:
         split_count = self.field("split.count")
         if missing and split_count and int(split_count) > len(self.paths):
             raise ArtifactError(
-                "incomplete_split",
+                Reason.INCOMPLETE_SPLIT,
                 f"{self.paths[0]}: gguf-split model has {int(split_count)} files; pass all of them",
             )
         if missing:
-            raise ArtifactError("corrupt", f"{self.paths[0]}: no tensors for layers {missing[:5]}...")
+            raise ArtifactError(Reason.CORRUPT, f"{self.paths[0]}: no tensors for layers {missing[:5]}...")
 
     def _check_experts(self) -> None:
         """The expert count the metadata states is the one every expert tensor holds (GGUF order:
@@ -152,17 +155,17 @@ class GGUFModel:
             held = t.shape[-1]
             if stated is None:
                 raise ArtifactError(
-                    "inconsistent",
+                    Reason.INCONSISTENT,
                     f"{self.paths[0]}: {t.name} holds {held} experts but {self.arch}.expert_count is missing",
                 )
             if held != int(stated):
                 raise ArtifactError(
-                    "inconsistent",
+                    Reason.INCONSISTENT,
                     f"{self.paths[0]}: {self.arch}.expert_count is {int(stated)} but {t.name} holds {held} experts",
                 )
         if stated is not None and used is not None and not 0 < int(used) <= int(stated):
             raise ArtifactError(
-                "inconsistent",
+                Reason.INCONSISTENT,
                 f"{self.paths[0]}: {self.arch}.expert_used_count {int(used)} is not within 1..{int(stated)} experts",
             )
 

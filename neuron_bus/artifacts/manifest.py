@@ -29,6 +29,7 @@ from neuron_bus.messages import (
     PieceHash,
     TensorEntry,
 )
+from workers.errors import Reason
 
 DEFAULT_PIECE_SIZE = 1 << 20
 READ_CHUNK = 1 << 20
@@ -45,7 +46,7 @@ def sha256_range(f, offset: int, length: int) -> str:
     while left:
         buf = f.read(min(READ_CHUNK, left))
         if not buf:
-            raise ArtifactError("truncated", f"{f.name}: truncated (needs {length} bytes at {offset})")
+            raise ArtifactError(Reason.TRUNCATED, f"{f.name}: truncated (needs {length} bytes at {offset})")
         h.update(buf)
         left -= len(buf)
     return h.hexdigest()
@@ -80,7 +81,7 @@ def _ordered(paths: list[Path] | GGUFModel) -> GGUFModel:
     """Open a model (GGUFModel puts a gguf-split set in split order); file names must be distinct."""
     model = paths if isinstance(paths, GGUFModel) else GGUFModel(paths)
     if len({p.name for p in model.paths}) != len(model.paths):
-        raise ArtifactError("bad_files", "model files must have distinct names")
+        raise ArtifactError(Reason.BAD_FILES, "model files must have distinct names")
     return model
 
 
@@ -155,7 +156,7 @@ def _hash_file(path: Path, pieces: list[PieceHash], tensors: list[TensorEntry], 
         for p in pieces:  # contiguous, in file order, covering the whole file
             buf = f.read(p.length)
             if len(buf) != p.length:
-                raise ArtifactError("truncated", f"{path}: truncated while hashing")
+                raise ArtifactError(Reason.TRUNCATED, f"{path}: truncated while hashing")
             file_h.update(buf)
             p.sha256 = hashlib.sha256(buf).hexdigest()
             end = p.offset + p.length
@@ -236,7 +237,7 @@ def build_manifest(
 ) -> ArtifactManifest:
     """Hash and map a model (one GGUF or every file of a gguf-split set)."""
     if piece_size < 4096:
-        raise ArtifactError("bad_piece_size", f"piece size {piece_size} is too small (at least 4096 bytes)")
+        raise ArtifactError(Reason.BAD_PIECE_SIZE, f"piece size {piece_size} is too small (at least 4096 bytes)")
     if isinstance(paths, (str, Path)):
         paths = [Path(paths)]
     model = _ordered(paths if isinstance(paths, GGUFModel) else [Path(p) for p in paths])
@@ -296,9 +297,9 @@ def decode_manifest(data: bytes, source: str = "manifest") -> ArtifactManifest:
     try:
         manifest = msgspec.json.decode(data, type=ArtifactManifest)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ArtifactError("bad_manifest", f"{source}: not an artifact manifest ({exc})") from None
+        raise ArtifactError(Reason.BAD_MANIFEST, f"{source}: not an artifact manifest ({exc})") from None
     if len(manifest.layer_to_artifact_map) != manifest.cache_descriptor.n_layers:
-        raise ArtifactError("bad_manifest", f"{source}: layer map does not cover the model's layers")
+        raise ArtifactError(Reason.BAD_MANIFEST, f"{source}: layer map does not cover the model's layers")
     return manifest
 
 
@@ -322,5 +323,5 @@ def load_manifest(path: Path) -> ArtifactManifest:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise ArtifactError("missing", f"{path}: cannot read manifest ({exc.strerror})") from None
+        raise ArtifactError(Reason.MISSING, f"{path}: cannot read manifest ({exc.strerror})") from None
     return decode_manifest(data, str(path))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from neuron_bus.artifacts.gguf_model import ArtifactError, format_layers, needed_shared
 from neuron_bus.artifacts.manifest import n_layers
 from neuron_bus.messages import ArtifactManifest
+from workers.errors import Reason
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,15 @@ def plan(manifest: ArtifactManifest, start: int, end: int) -> Plan:
     """Pieces for layers [start, end): headers, the range's blocks, and the shared tensors it needs."""
     n = n_layers(manifest)
     if not 0 <= start < end <= n:
-        raise ArtifactError("bad_range", f"layer range {start}-{end - 1} is outside the model: it has layers 0-{n - 1}")
+        raise ArtifactError(
+            Reason.BAD_RANGE, f"layer range {start}-{end - 1} is outside the model: it has layers 0-{n - 1}"
+        )
     shared = [t for t in manifest.tensor_to_layer_map if t.layer is None]
     real, placeholders = needed_shared([t.name for t in shared], n, start, end)
     shared_pieces = {t.name: list(t.pieces) for t in shared if t.name in real}
     missing = [name for name in real if name not in shared_pieces]
     if missing:
-        raise ArtifactError("bad_manifest", f"manifest {manifest.artifact_id} has no tensor {missing[0]}")
+        raise ArtifactError(Reason.BAD_MANIFEST, f"manifest {manifest.artifact_id} has no tensor {missing[0]}")
     block = sorted({i for layer in range(start, end) for i in manifest.layer_to_artifact_map[str(layer)]})
     header = list(manifest.header_pieces)
     pieces = sorted(set(header) | set(block) | {i for p in shared_pieces.values() for i in p})

@@ -19,6 +19,7 @@ import numpy as np
 
 from neuron_bus.artifacts.cuts import check_cut, layer_kinds, slice_metadata
 from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFModel, Tensor, format_layers
+from workers.errors import Reason
 
 _SKIP_KEYS = ("GGUF.", "split.", META_PREFIX)
 
@@ -52,7 +53,7 @@ def slice_gguf(
         model = GGUFModel(model)
     if not 0 <= start < end <= model.n_layers:
         raise ArtifactError(
-            "bad_range",
+            Reason.BAD_RANGE,
             f"layer range {start}-{end - 1} is outside the model: it has layers 0-{model.n_layers - 1}",
         )
     check_cut(layer_kinds(model), start, end)  # a slice llama.cpp would abort on is of no use

@@ -38,6 +38,7 @@ from neuron_bus.artifacts.slicing import slice_gguf
 from neuron_bus.artifacts.verify import verify
 from neuron_bus.messages import ArtifactManifest, PieceHash
 from neuron_bus.topology import object_store
+from workers.errors import Reason
 
 
 def manifest_object(artifact_id: str) -> str:
@@ -57,7 +58,7 @@ async def artifact_store(js: JetStreamContext, create: bool = True) -> ObjectSto
     try:
         return await object_store(js, S.OBJ_ARTIFACTS, create)
     except BucketNotFoundError:
-        raise ArtifactError("no_store", f"the object bucket {S.OBJ_ARTIFACTS} does not exist") from None
+        raise ArtifactError(Reason.NO_STORE, f"the object bucket {S.OBJ_ARTIFACTS} does not exist") from None
 
 
 def _object_digest(sha256_hex: str) -> str:
@@ -69,7 +70,7 @@ def _read_piece(f, p: PieceHash) -> bytes:
     data = f.read(p.length)
     if len(data) != p.length or hashlib.sha256(data).hexdigest() != p.sha256:
         raise ArtifactError(
-            "wrong_manifest",
+            Reason.WRONG_MANIFEST,
             f"{f.name}: piece {p.index} ({p.region}) does not match the manifest; "
             "the file changed or the manifest is for a different file",
         )
@@ -91,16 +92,18 @@ def _files_for(paths: list[Path], manifest: ArtifactManifest) -> dict[str, Path]
     for fh in manifest.file_hashes:
         path = by_name.get(fh.name)
         if path is None:
-            raise ArtifactError("wrong_manifest", f"manifest {manifest.artifact_id} needs {fh.name}; it was not given")
+            raise ArtifactError(
+                Reason.WRONG_MANIFEST, f"manifest {manifest.artifact_id} needs {fh.name}; it was not given"
+            )
         if not path.is_file():
-            raise ArtifactError("missing", f"{path}: no such file")
+            raise ArtifactError(Reason.MISSING, f"{path}: no such file")
         h = hashlib.sha256()
         with open(path, "rb") as f:
             for buf in iter(lambda: f.read(1 << 20), b""):
                 h.update(buf)
         if path.stat().st_size != fh.size or h.hexdigest() != fh.sha256:
             raise ArtifactError(
-                "wrong_manifest",
+                Reason.WRONG_MANIFEST,
                 f"{path} does not match manifest {manifest.artifact_id} (a manifest for a different file?)",
             )
         files[fh.name] = path
@@ -150,24 +153,26 @@ async def fetch_manifest(js: JetStreamContext, artifact_id: str) -> ArtifactMani
         obs = await artifact_store(js, create=False)
     except ArtifactError:
         raise ArtifactError(
-            "not_found",
+            Reason.NOT_FOUND,
             f"artifact {artifact_id} is not in the store (no {S.OBJ_ARTIFACTS} bucket yet: publish it first)",
         ) from None
     try:
         name = manifest_object(artifact_id)
     except ValueError as exc:
-        raise ArtifactError("bad_id", str(exc)) from None
+        raise ArtifactError(Reason.BAD_ID, str(exc)) from None
     try:
         res = await obs.get(name)
     except NotFoundError:
-        raise ArtifactError("not_found", f"artifact {artifact_id} is not in the store (publish it first)") from None
+        raise ArtifactError(
+            Reason.NOT_FOUND, f"artifact {artifact_id} is not in the store (publish it first)"
+        ) from None
     except DigestMismatchError:
         raise ArtifactError(
-            "hash_mismatch", f"the manifest of artifact {artifact_id} is corrupt in the store"
+            Reason.HASH_MISMATCH, f"the manifest of artifact {artifact_id} is corrupt in the store"
         ) from None
     manifest = decode_manifest(res.data or b"", f"manifest of artifact {artifact_id}")
     if manifest.artifact_id != artifact_id:
-        raise ArtifactError("bad_manifest", f"the store's manifest {name} names artifact {manifest.artifact_id}")
+        raise ArtifactError(Reason.BAD_MANIFEST, f"the store's manifest {name} names artifact {manifest.artifact_id}")
     return manifest
 
 
@@ -176,13 +181,13 @@ async def _get_piece(obs: ObjectStore, manifest: ArtifactManifest, p: PieceHash)
     try:
         data = (await obs.get(piece_object(manifest.artifact_id, p.index))).data or b""
     except NotFoundError:
-        raise ArtifactError("missing_piece", f"{what} is missing from the store") from None
+        raise ArtifactError(Reason.MISSING_PIECE, f"{what} is missing from the store") from None
     except DigestMismatchError:
-        raise ArtifactError("hash_mismatch", f"{what} is corrupt in the store") from None
+        raise ArtifactError(Reason.HASH_MISMATCH, f"{what} is corrupt in the store") from None
     got = hashlib.sha256(data).hexdigest()
     if len(data) != p.length or got != p.sha256:
         raise ArtifactError(
-            "hash_mismatch",
+            Reason.HASH_MISMATCH,
             f"{what} failed its hash check: expected sha256 {p.sha256[:16]}..., got {got[:16]}... ({len(data)} bytes)",
         )
     return data
@@ -202,7 +207,7 @@ def _cut_slice(sparse: list[Path], manifest: ArtifactManifest, start: int, end: 
     slice_gguf(GGUFModel(sparse), start, end, out, manifest.artifact_id)
     report = verify(out, manifest)
     if report.ranges != [(start, end)]:
-        raise ArtifactError("bad_slice", f"the assembled slice does not verify: {report.problem or report.ranges}")
+        raise ArtifactError(Reason.BAD_SLICE, f"the assembled slice does not verify: {report.problem or report.ranges}")
 
 
 async def fetch(

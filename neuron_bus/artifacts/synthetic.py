@@ -24,6 +24,7 @@ import gguf
 import numpy as np
 
 from neuron_bus.artifacts.gguf_model import ArtifactError
+from workers.errors import Reason
 
 ATTENTION, RECURRENT, FFN_ONLY, MTP = "attention", "recurrent", "ffn", "mtp"
 
@@ -268,7 +269,7 @@ def architecture(name: str) -> ArchSpec:
         return ARCHITECTURES[name]
     except KeyError:
         raise ArtifactError(
-            "unknown_architecture", f"no synthetic model of {name!r}: known are {', '.join(ARCHITECTURES)}"
+            Reason.UNKNOWN_ARCHITECTURE, f"no synthetic model of {name!r}: known are {', '.join(ARCHITECTURES)}"
         ) from None
 
 
@@ -662,7 +663,7 @@ def write_model(
     tensors = _tensors(spec, len(tokens))
     for name in without:
         if tensors.pop(name, None) is None:
-            raise ArtifactError("bad_spec", f"{spec.arch} has no tensor {name} to leave out")
+            raise ArtifactError(Reason.BAD_SPEC, f"{spec.arch} has no tensor {name} to leave out")
     w = gguf.GGUFWriter(str(path), spec.arch)
     w.add_name(f"synthetic-{spec.arch}")
     w.add_file_type(gguf.LlamaFileType.ALL_F32)

@@ -27,6 +27,7 @@ from neuron_bus.artifacts.gguf_model import (
 )
 from neuron_bus.artifacts.manifest import metadata_digest, n_layers, sha256_range
 from neuron_bus.messages import ArtifactManifest
+from workers.errors import Reason
 
 
 @dataclass
@@ -69,14 +70,14 @@ def _gguf_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise ArtifactError("missing", f"{path}: no such file or directory")
+        raise ArtifactError(Reason.MISSING, f"{path}: no such file or directory")
     files = [
         p
         for p in sorted(path.rglob("*.gguf"))
         if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
     ]
     if not files:
-        raise ArtifactError("missing", f"{path}: no .gguf files in this directory")
+        raise ArtifactError(Reason.MISSING, f"{path}: no .gguf files in this directory")
     return files
 
 
@@ -194,7 +195,7 @@ def verify(path: Path, manifest: ArtifactManifest) -> VerifyReport:
         try:
             model = GGUFModel(file)
         except ArtifactError as exc:
-            if exc.reason in ("not_gguf", "corrupt", "truncated", "missing"):
+            if exc.reason in (Reason.NOT_GGUF, Reason.CORRUPT, Reason.TRUNCATED, Reason.MISSING):
                 why = str(exc)
             else:  # one file of a gguf-split set cannot be read alone: check it by pieces
                 why = None

@@ -15,6 +15,7 @@ from neuron_bus import models
 from neuron_bus.artifacts.gguf_model import ArtifactError, GGUFModel, format_layers, parse_layers
 from neuron_bus.cli.app import NatsOption, fail
 from neuron_bus.errors import NeuronBusError
+from workers.errors import Reason
 
 artifact_app = typer.Typer(
     no_args_is_help=True,
@@ -77,7 +78,7 @@ def _run_nats(url: str, fn):
     except (NeuronBusError, OSError, ValueError):
         raise
     except Exception as exc:  # nats errors: no server, timeouts...
-        raise ArtifactError("nats", f"NATS at {url}: {type(exc).__name__} {exc}".rstrip()) from None
+        raise ArtifactError(Reason.NATS, f"NATS at {url}: {type(exc).__name__} {exc}".rstrip()) from None
 
 
 @artifact_app.command()
@@ -206,7 +207,8 @@ def slice_cmd(
             mine = build_manifest(model, piece_size=m.piece_size)
             if mine.artifact_id != m.artifact_id:
                 raise ArtifactError(
-                    "wrong_manifest", f"{files[0]} is not artifact {m.artifact_id} (a manifest for a different file?)"
+                    Reason.WRONG_MANIFEST,
+                    f"{files[0]} is not artifact {m.artifact_id} (a manifest for a different file?)",
                 )
             artifact_id = m.artifact_id
         path = slice_gguf(model, start, end, out, artifact_id)

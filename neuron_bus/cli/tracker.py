@@ -20,6 +20,7 @@ from neuron_bus.tracker import TrackerParams, TrackerService
 from neuron_bus.tracker.coverage import spans
 from neuron_bus.tracker.layers import spell
 from neuron_bus.tracker.service import TrackerError
+from workers.errors import Reason
 
 _DEFAULTS = TrackerParams()
 
@@ -103,7 +104,7 @@ def coverage(
     try:
         report = asyncio.run(fetch_coverage(nats, model, timeout))
     except RouteError as exc:
-        if exc.reason == "no_tracker":
+        if exc.reason == Reason.NO_TRACKER:
             fail(f"no tracker answered on {S.TRACKER_COVERAGE} at {nats} (is `neuron-bus tracker` running?)")
         fail(f"bad coverage reply: {exc}")
     except (OSError, nats_errors.Error) as exc:

@@ -22,6 +22,7 @@ from neuron_bus import subjects as S
 from neuron_bus.client import STALL_TIMEOUT_S, NeuronClient, RouteError
 from neuron_bus.gateway.metrics import GatewayMetrics
 from neuron_bus.gateway.validation import ApiError, GenRequest, Limits
+from workers.errors import Reason
 
 TRACKER_TIMEOUT_S = 3.0
 ATTACH_GRACE_S = 2.0  # after a "done" telemetry, wait this long for the last token to replay
@@ -83,13 +84,13 @@ def routable(report: M.CoverageReport) -> list[str]:
 # free session slot is full (HTTP 429), or the swarm is full with queueing off, or a part of it is
 # not reachable yet (503). Any other failure is a fault of a node upstream (502).
 RETRY_AFTER_S = {
-    "queue_full": 5,
-    "no_free_slot": 2,
-    "no_route": 5,
-    "no_tracker": 5,
-    "bus_unreachable": 5,
-    "node_unreachable": 5,
-    "node_lost": 5,  # a dead node: the tracker stops routing to it within seconds
+    Reason.QUEUE_FULL: 5,
+    Reason.NO_FREE_SLOT: 2,
+    Reason.NO_ROUTE: 5,
+    Reason.NO_TRACKER: 5,
+    Reason.BUS_UNREACHABLE: 5,
+    Reason.NODE_UNREACHABLE: 5,
+    Reason.NODE_LOST: 5,  # a dead node: the tracker stops routing to it within seconds
 }
 
 
@@ -97,7 +98,7 @@ def route_api_error(exc: RouteError, session_id: str | None = None) -> ApiError:
     """The HTTP answer to a failed route: 503 with Retry-After for our own limits, else 502."""
     fields = route_error_body(exc, session_id)
     message = fields.pop("message")
-    if exc.reason == "queue_full":
+    if exc.reason == Reason.QUEUE_FULL:
         fields["type"] = "rate_limit_exceeded"
         return ApiError(429, message, retry_after=RETRY_AFTER_S[exc.reason], **fields)
     if exc.reason in RETRY_AFTER_S:
@@ -173,7 +174,7 @@ class Bus:
                 type="service_unavailable",
                 param="model",
                 code="no_route",
-                retry_after=RETRY_AFTER_S["no_route"],
+                retry_after=RETRY_AFTER_S[Reason.NO_ROUTE],
             )
         req.model = model
         try:
@@ -181,7 +182,7 @@ class Bus:
                 model, prompt=req.prompt, messages=req.messages, prompt_tokens=req.prompt_tokens, policy=req.policy
             )
         except RouteError as exc:
-            if exc.reason == "empty_prompt":
+            if exc.reason == Reason.EMPTY_PROMPT:
                 raise ApiError(422, "the prompt has no tokens", param="prompt", code="empty_prompt") from None
             raise route_api_error(exc) from None
         route, tokens = p.route, p.prompt_tokens
@@ -261,7 +262,7 @@ class Bus:
                     if timeout == ATTACH_GRACE_S:
                         return  # done, and the final token is no longer on the bus
                     raise RouteError(
-                        "stalled", f"session {session_id}: no progress for {timeout:.0f}s", phase=last_phase
+                        Reason.STALLED, f"session {session_id}: no progress for {timeout:.0f}s", phase=last_phase
                     ) from None
                 event = session_events.read(kind, data, last_phase)
                 if event is None:

@@ -34,6 +34,7 @@ from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage
 from neuron_bus.sim import swarm
 from neuron_bus.topology import connect
+from workers.errors import Reason
 
 TICK_S = 0.005
 ANNOUNCE_BATCH = 256
@@ -199,10 +200,10 @@ class Pool:
         try:
             req = M.decode(msg.data, M.ControlRequest)
         except MalformedMessage as exc:
-            await msg.respond(M.encode(M.ControlError(code="bad_control", message=str(exc))))
+            await msg.respond(M.encode(M.ControlError(code=Reason.BAD_CONTROL, message=str(exc))))
             return
         if not isinstance(req, M.Ping):
-            await msg.respond(M.encode(M.ControlError(code="unsupported", message="simulated node: pings only")))
+            await msg.respond(M.encode(M.ControlError(code=Reason.UNSUPPORTED, message="simulated node: pings only")))
             return
         self.stats["pings"] += 1
         pong = M.encode(M.Pong(node_id=node_id, sent_at=req.sent_at))

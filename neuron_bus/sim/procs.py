@@ -19,6 +19,7 @@ import psutil
 
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.natsserver import NatsServer, ServerConfig, free_port
+from workers.errors import Reason
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "NEURON_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -73,13 +74,13 @@ class Proc:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise SimError("not_ready", f"{self.name} did not get ready within {timeout:.0f}s")
+                raise SimError(Reason.NOT_READY, f"{self.name} did not get ready within {timeout:.0f}s")
             try:
                 line = self.lines.get(timeout=min(left, 1.0))
             except queue.Empty:
                 continue
             if line is None:
-                raise SimError("exited", f"{self.name} exited with code {self.popen.wait()} before it was ready")
+                raise SimError(Reason.EXITED, f"{self.name} exited with code {self.popen.wait()} before it was ready")
             if pred(line):
                 return line
 

@@ -43,6 +43,7 @@ from neuron_bus.sim.procs import Proc, SimError, Usage, start_server, start_trac
 from neuron_bus.sim.quality import Judge, search_ratio
 from neuron_bus.topology import connect, ensure_topology
 from neuron_bus.tracker.params import TrackerParams
+from workers.errors import Reason
 
 GONE_SLACK_S = 1.0  # delivery and scheduling slack on top of the expiry, on a loaded machine
 
@@ -102,7 +103,7 @@ async def _warm(nc, probe: P.Probe, opts: Options, ready_at: float) -> None:
         if isinstance(r.reply, M.RouteAssignment):
             break
         if time.monotonic() > deadline:
-            raise SimError("no_route", f"no route after 120s of warm-up: {r.reply or r.error}")
+            raise SimError(Reason.NO_ROUTE, f"no route after 120s of warm-up: {r.reply or r.error}")
         await asyncio.sleep(0.5)
     left = ready_at + warmup_seconds(opts) - time.time()
     if left > 0:

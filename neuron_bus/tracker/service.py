@@ -73,6 +73,7 @@ from neuron_bus.tracker.planner import Plan, Rejection, plan_indexed, plan_route
 from neuron_bus.tracker.registry import RTT_SAMPLES, Registry
 from neuron_bus.tracker.speed import GroupSpeed
 from neuron_bus.trust.sampler import TrackerTrust
+from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.tracker")
 
@@ -137,7 +138,7 @@ class TrackerService:
             self._kv_routes = await js.key_value(S.KV_ROUTES)
         except (jserr.NotFoundError, jserr.BucketNotFoundError) as exc:
             raise TrackerError(
-                "missing_bucket",
+                Reason.MISSING_BUCKET,
                 f"KV buckets {S.KV_NODES}/{S.KV_ROUTES} not found ({exc}): provision the server first "
                 "(neuron-bus server does)",
             ) from exc
@@ -465,7 +466,7 @@ class TrackerService:
         try:
             req = messages.decode(msg.data, CoverageRequest) if msg.data else CoverageRequest()
         except MalformedMessage as exc:
-            await msg.respond(messages.encode(messages.ControlError(code="bad_json", message=str(exc))))
+            await msg.respond(messages.encode(messages.ControlError(code=Reason.BAD_JSON, message=str(exc))))
             return
         data = await self.coverage(req)
         limit = self.nc.max_payload

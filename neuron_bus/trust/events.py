@@ -10,6 +10,7 @@ from nats.js.errors import NotFoundError
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import NeuronBusError
+from workers.errors import Reason
 
 
 async def stored(js: JetStreamContext, stream: str, subject: str, kind) -> AsyncIterator:
@@ -41,4 +42,6 @@ async def validation_event(js: JetStreamContext, key: str) -> M.ValidationEvent:
     async for event in stored(js, S.STREAM_VALIDATION, S.VALIDATION_ALL, M.ValidationEvent):
         if event.event_id == key:
             return event
-    raise NeuronBusError("not_found", f"no validation event for session or event id {key!r} in {S.STREAM_VALIDATION}")
+    raise NeuronBusError(
+        Reason.NOT_FOUND, f"no validation event for session or event id {key!r} in {S.STREAM_VALIDATION}"
+    )

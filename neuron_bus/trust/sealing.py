@@ -38,6 +38,7 @@ from nacl.exceptions import CryptoError
 
 from neuron_bus import messages as M
 from neuron_bus.errors import SessionMismatch
+from workers.errors import Reason
 
 KEY_BYTES = 32
 MAC_BYTES = 16
@@ -133,19 +134,19 @@ def verify(header: M.ActivationHeader, body: bytes, key: str, encrypt: bool) -> 
     """
     k = LinkKey.parse(key)
     if not header.mac:
-        raise SessionMismatch("bad_mac", f"session {header.session_id}: activation carries no MAC")
+        raise SessionMismatch(Reason.BAD_MAC, f"session {header.session_id}: activation carries no MAC")
     if not hmac.compare_digest(header.mac, k.tag(header, body)):
-        raise SessionMismatch("bad_mac", f"session {header.session_id}: activation MAC does not match")
+        raise SessionMismatch(Reason.BAD_MAC, f"session {header.session_id}: activation MAC does not match")
     if not encrypt:
         return body
     if len(body) < NONCE_BYTES:
-        raise SessionMismatch("bad_seal", f"session {header.session_id}: sealed body too short")
+        raise SessionMismatch(Reason.BAD_SEAL, f"session {header.session_id}: sealed body too short")
     try:
         return sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(
             body[NONCE_BYTES:], canonical(header), body[:NONCE_BYTES], k.enc
         )
     except CryptoError:
-        raise SessionMismatch("bad_seal", f"session {header.session_id}: sealed body does not open") from None
+        raise SessionMismatch(Reason.BAD_SEAL, f"session {header.session_id}: sealed body does not open") from None
 
 
 def resume_parts(req: M.SessionResume) -> tuple:

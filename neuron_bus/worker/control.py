@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 
 from neuron_bus import messages as M
 from neuron_bus.errors import MalformedMessage
+from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.worker")
 
@@ -33,8 +34,8 @@ class ControlPlane:
             reply = await self.handle(M.decode(msg.data, M.ControlRequest))
         except Exception as exc:  # every failure is an explicit reply
             if isinstance(exc, MalformedMessage):
-                self.metrics.reject("bad_control")
-            reply = M.ControlError(code=str(getattr(exc, "reason", type(exc).__name__)), message=str(exc))
+                self.metrics.reject(Reason.BAD_CONTROL)
+            reply = M.ControlError(code=getattr(exc, "reason", Reason.ERROR), message=str(exc))
         if msg.reply:
             await msg.respond(M.encode(reply))
 

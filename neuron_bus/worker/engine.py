@@ -36,6 +36,7 @@ from neuron_bus.trust import fault as faults
 from neuron_bus.trust import sealing
 from neuron_bus.worker.session_table import HopSession, SessionTable
 from neuron_bus.worker.tail import TailDecoder, TokenStep
+from workers.errors import Reason
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Rejection:
     """A message refused before any model work, and why (``reason`` is the metrics label)."""
 
     handle: Any
-    reason: str
+    reason: Reason
     message: str
     session_id: str  # as the message's headers say it (may be empty or invalid)
     route_id: str
@@ -115,7 +116,7 @@ class Failed:
     """A step the backend refused (``fatal`` False: only this message) or failed on (the session fails)."""
 
     step: Step
-    reason: str
+    reason: Reason
     message: str
     fatal: bool
 
@@ -163,7 +164,7 @@ class HopEngine:
             try:
                 s, header, x = self._admit(m, phase)
                 if s.session_id in seen:  # a copy of a step already in this batch
-                    raise SessionMismatch("replayed", f"a second step for session {s.session_id} in one batch")
+                    raise SessionMismatch(Reason.REPLAYED, f"a second step for session {s.session_id} in one batch")
             except (MalformedMessage, SessionMismatch) as exc:
                 h = m.headers or {}
                 rejected.append(
@@ -181,14 +182,14 @@ class HopEngine:
         sealed = held is not None and held.open.encrypt
         x = None if sealed else codec.decode_body(header, m.data, max_body=self.opts.max_body)
         if header.phase != phase:
-            raise SessionMismatch("wrong_phase", f"{header.phase} message on the {phase} subject")
+            raise SessionMismatch(Reason.WRONG_PHASE, f"{header.phase} message on the {phase} subject")
         s = self.sessions.check(header)
         if s.open.input_key:  # an authenticated session: nothing unsigned reaches the model
             body = sealing.verify(header, m.data, s.open.input_key, s.open.encrypt)
             if s.open.encrypt:
                 x = codec.decode_body(header, body, max_body=self.opts.max_body)
         if x is None:  # the session was sealed when the body arrived and is not now (closed, reopened)
-            raise SessionMismatch("bad_seal", f"session {s.session_id}: sealed body for an unsealed session")
+            raise SessionMismatch(Reason.BAD_SEAL, f"session {s.session_id}: sealed body for an unsealed session")
         return s, header, x
 
     # ------------------------------------------------------------------ compute
@@ -225,8 +226,8 @@ class HopEngine:
             if not self.is_current(s):
                 outcomes.append(Gone(st))
             elif isinstance(result, Exception):
-                refused = getattr(result, "reason", None) == "bad_input"  # refused before any model work
-                reason = "bad_input" if refused else "backend_error"
+                refused = getattr(result, "reason", None) == Reason.BAD_INPUT  # refused before any model work
+                reason = Reason.BAD_INPUT if refused else Reason.BACKEND_ERROR
                 outcomes.append(Failed(st, reason, str(result), fatal=not refused))
             else:
                 before = s.position
@@ -285,7 +286,7 @@ class HopEngine:
         """Is this node the hop ``req`` names, with the same layers and cache ABI, and does it fit?"""
         S.check_token(req.session_id, "session id")
         if self.draining:
-            raise NeuronBusError("draining", f"{self.node_id} is moving to other layers and takes no new sessions")
+            raise NeuronBusError(Reason.DRAINING, f"{self.node_id} is moving to other layers and takes no new sessions")
         route = req.route
         if not 0 <= req.hop_index < len(route.hops):
             raise ValueError(f"hop index {req.hop_index} is outside route {route.route_id}")
@@ -314,13 +315,17 @@ class HopEngine:
         and an open of a session this node holds must come from the client that holds its key."""
         S.check_token(req.owner, "owner")
         if self.opts.require_keys and not (req.input_key and req.output_key):
-            raise NeuronBusError("unauthenticated", f"{self.node_id} requires session keys (SessionOpen.input_key)")
+            raise NeuronBusError(
+                Reason.UNAUTHENTICATED, f"{self.node_id} requires session keys (SessionOpen.input_key)"
+            )
         for key in (req.input_key, req.output_key):
             if key:
                 sealing.LinkKey.parse(key)
         old = self.sessions.get(req.session_id)
         if old is not None and old.open.input_key and old.open.input_key != req.input_key:
-            raise NeuronBusError("session_exists", f"{self.node_id} holds session {req.session_id} for another client")
+            raise NeuronBusError(
+                Reason.SESSION_EXISTS, f"{self.node_id} holds session {req.session_id} for another client"
+            )
 
     def check_close(self, req: M.SessionClose) -> None:
         """Only the client that opened a session (it holds the hop's input key) may close it."""
@@ -330,7 +335,7 @@ class HopEngine:
             and s.open.input_key
             and not sealing.check_proof(s.open.input_key, req.proof, "close", req.session_id)
         ):
-            raise NeuronBusError("not_owner", f"closing session {req.session_id} needs its client's proof")
+            raise NeuronBusError(Reason.NOT_OWNER, f"closing session {req.session_id} needs its client's proof")
 
     def check_resume(self, req: M.SessionResume) -> HopSession | None:
         """The session a resume replaces here (None: a new replacement node), after checking ``req``."""
@@ -346,11 +351,11 @@ class HopEngine:
             and old.open.input_key
             and not sealing.check_proof(old.open.input_key, req.proof, *sealing.resume_parts(req))
         ):
-            raise NeuronBusError("not_owner", f"moving session {o.session_id} needs its client's proof")
+            raise NeuronBusError(Reason.NOT_OWNER, f"moving session {o.session_id} needs its client's proof")
         if req.restore and old is not None:
             raise ValueError(f"session {o.session_id} is already open here; only a replacement restores")
         if not req.restore and old is None:  # e.g. this node restarted: its hot KV is gone
-            raise NeuronBusError("unknown_session", f"{self.node_id} holds no session {o.session_id}")
+            raise NeuronBusError(Reason.UNKNOWN_SESSION, f"{self.node_id} holds no session {o.session_id}")
         return old
 
     def add(self, req: M.SessionOpen) -> HopSession:

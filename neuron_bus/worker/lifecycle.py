@@ -14,6 +14,7 @@ from neuron_bus import messages as M
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.trust import sealing
 from neuron_bus.worker.snapshots import object_name
+from workers.errors import Reason
 
 
 def unseal(meta: M.SnapshotMeta, blob: bytes, open_: M.SessionOpen) -> bytes:
@@ -24,7 +25,7 @@ def unseal(meta: M.SnapshotMeta, blob: bytes, open_: M.SessionOpen) -> bytes:
     try:
         return sealing.open_snapshot(meta, blob, open_.input_key)
     except ValueError as exc:
-        raise NeuronBusError("no_snapshot", str(exc)) from None
+        raise NeuronBusError(Reason.NO_SNAPSHOT, str(exc)) from None
 
 
 class SessionLifecycle:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from workers.errors import Reason
+
 
 class WorkerMetrics:
     def __init__(self, node_id: str):
@@ -60,7 +62,7 @@ class WorkerMetrics:
 
         self.rejected_by_reason: dict[str, int] = {}  # the same counts, for `neuron-bus sessions`
 
-    def reject(self, reason: str) -> None:
+    def reject(self, reason: Reason) -> None:
         self.rejected.labels(reason).inc()
         self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
 

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from neuron_bus import messages as M
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.tasks import Background
+from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.worker")
 
@@ -40,11 +41,11 @@ class Mover:
         s = self.service
         if s.report.placement != "auto" or self.reload is None:
             raise NeuronBusError(
-                "pinned", f"{s.node_id} serves layers given by its operator (--layers): it does not move"
+                Reason.PINNED, f"{s.node_id} serves layers given by its operator (--layers): it does not move"
             )
         if self.moving is not None:
             raise NeuronBusError(
-                "moving",
+                Reason.MOVING,
                 f"{s.node_id} is already moving to layers {self.moving.layer_start}-{self.moving.layer_end - 1}",
             )
         self.moving = req

@@ -28,6 +28,7 @@ from neuron_bus.flow import publish
 from neuron_bus.tasks import Background
 from neuron_bus.worker.engine import Failed, Output, Rejection
 from neuron_bus.worker.session_table import HopSession
+from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.worker")
 
@@ -67,7 +68,7 @@ class Outbox:
         try:
             await self._send(out)
         except NeuronBusError as exc:
-            if exc.reason == "session_gone":
+            if exc.reason == Reason.SESSION_GONE:
                 await out.step.handle.term()
                 return
             log.warning("worker %s: output of %s not sent: %s", self.node_id, out.step.session.session_id, exc)
@@ -82,7 +83,7 @@ class Outbox:
 
         def still_current(_waits: int) -> None:  # stop waiting on a full (dead?) next hop once the session is gone
             if not self.engine.is_current(s):
-                raise NeuronBusError("session_gone", f"session {s.session_id} closed or moved to a repaired route")
+                raise NeuronBusError(Reason.SESSION_GONE, f"session {s.session_id} closed or moved to a repaired route")
 
         await asyncio.gather(
             *(publish(self.js, m.subject, m.body, m.headers, on_wait=still_current) for m in out.sends)

@@ -15,6 +15,7 @@ from neuron_bus import messages as M
 from neuron_bus.errors import SessionMismatch
 from neuron_bus.routes import hop_header
 from neuron_bus.worker.tail import TailDecoder
+from workers.errors import Reason
 
 
 @dataclass
@@ -99,11 +100,12 @@ class SessionTable:
     def check(self, h: M.ActivationHeader) -> HopSession:
         s = self._sessions.get(h.session_id)
         if s is None:
-            raise SessionMismatch("unknown_session", f"unknown or closed session {h.session_id}")
+            raise SessionMismatch(Reason.UNKNOWN_SESSION, f"unknown or closed session {h.session_id}")
         hop = s.hop
         if h.route_id != s.route.route_id:
             raise SessionMismatch(
-                "wrong_route", f"session {h.session_id} runs on route {s.route.route_id}, message says {h.route_id}"
+                Reason.WRONG_ROUTE,
+                f"session {h.session_id} runs on route {s.route.route_id}, message says {h.route_id}",
             )
         for name, want in (
             ("model_preset", s.route.model_preset),
@@ -113,35 +115,37 @@ class SessionTable:
         ):
             if getattr(h, name) != want:
                 raise SessionMismatch(
-                    "wrong_key", f"session {h.session_id}: {name} is {want!r}, message says {getattr(h, name)!r}"
+                    Reason.WRONG_KEY, f"session {h.session_id}: {name} is {want!r}, message says {getattr(h, name)!r}"
                 )
         if (h.layer_start, h.layer_end) != (hop.layer_start, hop.layer_end):
             raise SessionMismatch(
-                "wrong_layers",
+                Reason.WRONG_LAYERS,
                 f"session {h.session_id}: this hop runs layers [{hop.layer_start}, {hop.layer_end}), "
                 f"message is for [{h.layer_start}, {h.layer_end})",
             )
         if h.phase != s.phase:
-            raise SessionMismatch("wrong_phase", f"session {h.session_id} is in {s.phase}, message is {h.phase}")
+            raise SessionMismatch(Reason.WRONG_PHASE, f"session {h.session_id} is in {s.phase}, message is {h.phase}")
         if h.seq < s.seq:
             raise SessionMismatch(
-                "replayed", f"session {h.session_id}: seq {h.seq} was already processed (next is {s.seq})"
+                Reason.REPLAYED, f"session {h.session_id}: seq {h.seq} was already processed (next is {s.seq})"
             )
         if h.seq > s.seq:
-            raise SessionMismatch("out_of_order", f"session {h.session_id}: seq {h.seq} arrived before {s.seq}")
+            raise SessionMismatch(Reason.OUT_OF_ORDER, f"session {h.session_id}: seq {h.seq} arrived before {s.seq}")
         if h.position != s.position:
-            reason = "replayed" if h.position < s.position else "position_gap"
+            reason = Reason.REPLAYED if h.position < s.position else Reason.POSITION_GAP
             raise SessionMismatch(reason, f"session {h.session_id}: position {h.position}, expected {s.position}")
         n = h.shape[0] if h.shape else 0
         if h.phase == "decode" and n != 1:
-            raise SessionMismatch("wrong_phase", f"session {h.session_id}: a decode step carries one position, got {n}")
+            raise SessionMismatch(
+                Reason.WRONG_PHASE, f"session {h.session_id}: a decode step carries one position, got {n}"
+            )
         if h.phase == "prefill" and not 0 < n <= s.open.chunk_size:
             raise SessionMismatch(
-                "wrong_phase",
+                Reason.WRONG_PHASE,
                 f"session {h.session_id}: prefill chunk of {n} positions (chunk size {s.open.chunk_size})",
             )
         if h.phase == "prefill" and h.position + n > s.prefill_end:
             raise SessionMismatch(
-                "overrun", f"session {h.session_id}: prefill chunk runs past position {s.prefill_end}"
+                Reason.OVERRUN, f"session {h.session_id}: prefill chunk runs past position {s.prefill_end}"
             )
         return s

@@ -33,6 +33,7 @@ from neuron_bus.errors import NeuronBusError
 from neuron_bus.tasks import Background
 from neuron_bus.topology import connect, object_store
 from neuron_bus.trust import sealing
+from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.worker.snapshots")
 
@@ -188,11 +189,13 @@ class SnapshotStore:
 
     async def find(self, session_id: str, max_position: int, min_position: int = 0) -> tuple[M.SnapshotMeta, bytes]:
         """The newest compatible snapshot of ``session_id`` for this node's range in
-        [min_position, max_position], with its blob; NeuronBusError("no_snapshot") otherwise."""
+        [min_position, max_position], with its blob; NeuronBusError(Reason.NO_SNAPSHOT) otherwise."""
         try:
             await asyncio.wait_for(self._ready.wait(), UPLOAD_TIMEOUT_S)
         except TimeoutError:
-            raise NeuronBusError("no_snapshot", f"snapshot store {self.url or 'on the bus'} is unavailable") from None
+            raise NeuronBusError(
+                Reason.NO_SNAPSHOT, f"snapshot store {self.url or 'on the bus'} is unavailable"
+            ) from None
         r = self.report
         prefix = object_prefix(session_id, r.layer_start, r.layer_end)
         try:
@@ -226,7 +229,7 @@ class SnapshotStore:
         if not found:
             why = f"; refused: {'; '.join(refused)}" if refused else ""
             raise NeuronBusError(
-                "no_snapshot",
+                Reason.NO_SNAPSHOT,
                 f"no compatible snapshot of session {session_id} layers [{r.layer_start}, {r.layer_end}) "
                 f"at positions {min_position}..{max_position}{why}",
             )
@@ -235,6 +238,6 @@ class SnapshotStore:
         blob = result.data or b""
         if len(blob) != meta.nbytes:
             raise NeuronBusError(
-                "no_snapshot", f"snapshot {name} holds {len(blob)} bytes, its metadata says {meta.nbytes}"
+                Reason.NO_SNAPSHOT, f"snapshot {name} holds {len(blob)} bytes, its metadata says {meta.nbytes}"
             )
         return meta, blob

@@ -29,6 +29,7 @@ from neuron_bus.artifacts.manifest import n_layers
 from neuron_bus.artifacts.swarm import fetch_manifest, resolve_artifact
 from neuron_bus.errors import MalformedMessage
 from neuron_bus.topology import connect
+from workers.errors import Reason
 
 PLACEMENT_WAIT_S = 60.0  # how long a joining node waits for a tracker to place it
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
@@ -94,7 +95,7 @@ def check_fit(manifests: list[M.ArtifactManifest], fit: M.NodeFit) -> None:
     if all(need > fit.memory_budget for need in needs.values()):
         least = min(needs.values())
         raise ArtifactError(
-            "too_small",
+            Reason.TOO_SMALL,
             f"--max-memory {fit.memory_budget} bytes cannot hold even one layer: the smallest needs {least} "
             f"(weights + KV for {fit.kv_positions} positions); give more memory or fewer --max-sessions/--n-ctx",
         )
@@ -109,11 +110,13 @@ async def ask_for_range(nc, req: M.PlacementRequest, wait_s: float = PLACEMENT_W
             reply = M.decode(msg.data, M.PlacementReply)
         except (TimeoutError, NatsError, MalformedMessage) as exc:  # no tracker (yet), or not the lease holder
             if time.monotonic() > deadline:
-                raise ArtifactError("no_tracker", f"no tracker placed this node within {wait_s:.0f}s ({exc})") from None
+                raise ArtifactError(
+                    Reason.NO_TRACKER, f"no tracker placed this node within {wait_s:.0f}s ({exc})"
+                ) from None
             await asyncio.sleep(1.0)
             continue
         if isinstance(reply, M.PlacementRejection):
-            raise ArtifactError("not_placed", "the tracker placed this node nowhere: " + "; ".join(reply.reasons))
+            raise ArtifactError(Reason.NOT_PLACED, "the tracker placed this node nowhere: " + "; ".join(reply.reasons))
         return reply
 
 
@@ -129,7 +132,7 @@ async def auto_source(url: str, model: str, fit: M.NodeFit, node_id: str, backen
         if not manifests:
             what = "any model" if preset == "any" else f"model {preset}"
             raise ArtifactError(
-                "no_artifact", f"no published artifact of {what}: publish it first (`neuron-bus artifact publish`)"
+                Reason.NO_ARTIFACT, f"no published artifact of {what}: publish it first (`neuron-bus artifact publish`)"
             )
         check_fit(manifests, fit)
         req = M.PlacementRequest(node_id=node_id, model_preset=preset, fit=fit, backend_id=backend_id, trust_tier=tier)
