@@ -15,6 +15,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from neuron_bus import messages as M
@@ -215,8 +216,9 @@ class NeuronClient:
             prefill_retries=prefill_retries,
             repair=repair,
         )
-        async for event in run.events():
-            yield event
+        async with aclosing(run.events()) as events:  # a caller that stops early closes the session at once
+            async for event in events:
+                yield event
 
     async def complete(
         self,

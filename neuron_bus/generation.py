@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import numpy as np
 
@@ -97,7 +97,7 @@ class GenerationRun:
 
     # ------------------------------------------------------------------ the whole run
 
-    async def events(self) -> AsyncIterator[M.TokenDelta | M.GenerationTelemetry]:
+    async def events(self) -> AsyncGenerator[M.TokenDelta | M.GenerationTelemetry, None]:
         nc = self.client.nc
         for kind, subject in session_events.SUBJECTS:
             self.subs.append(await nc.subscribe(subject(self.session_id), cb=self._into_queue(kind)))
@@ -341,15 +341,19 @@ class GenerationRun:
         self.client.admission.released()  # a generation waiting for a slot may try now
 
     async def _close(self) -> None:
+        """Free the session on every hop first (what matters), then drop the subscriptions."""
         self._cancel_tasks()
+        await self._close_sessions()
         await self._unsubscribe(self.subs)
         await self._unsubscribe(self.heartbeat_subs)
-        await self._close_sessions()
 
     @staticmethod
     async def _unsubscribe(subs: list) -> None:
         while subs:
-            await subs.pop().unsubscribe()
+            try:
+                await subs.pop().unsubscribe()
+            except Exception:  # the connection is closing or gone: nothing more to drop
+                pass
 
     async def _publish_progress(self) -> None:
         await self.client.js.publish(self.progress.subject, M.encode(self.progress.snapshot()))

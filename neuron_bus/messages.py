@@ -455,6 +455,54 @@ class LedgerEntry(Struct):
     reward_weight: float = 0.0
 
 
+MeterStatus = Literal["finished", "unfinished", "repaired", "unmetered"]
+
+
+class MeteredWork(Struct):
+    """What the swarm observed one route member compute for a session (trust/meter.py).
+
+    ``prefill_tokens``/``decode_tokens`` are the positions whose results the route delivered;
+    ``max_*`` what an honest hop may have computed beyond them (a step in flight when the session
+    ended, a repair's replay): a self-report above them is flagged. ``exact`` false (a repaired
+    range): the member is paid its claim up to ``reward_weight``, not ``reward_weight`` itself.
+    """
+
+    node_id: str
+    hop_index: int
+    layer_start: int
+    layer_end: int
+    owned_layer_work: float  # from the model's layer work, not from the node's own report
+    prefill_tokens: int
+    decode_tokens: int
+    reward_weight: float
+    max_prefill_tokens: int
+    max_decode_tokens: int
+    exact: bool = True
+
+
+class SessionMeter(Struct):
+    """The metered record of one session, kept in KV ``neuron-meter`` (key: the session id).
+
+    Written once by a meter (``neuron-bus tracker`` runs one) from what the swarm observed: the
+    tracker's route assignment, the token deltas the tail delivered, the validation event, the
+    session's last telemetry and the model's layer work (the nodes' capability reports, per layer
+    the median). The ledger pays these figures; ledger entries (self-reports) are only checked
+    against them.
+    """
+
+    session_id: str
+    status: MeterStatus
+    route_id: str = ""
+    model_preset: str = ""
+    model_revision: str = ""
+    prompt_tokens: int = 0
+    delivered_tokens: int = 0
+    members: list[MeteredWork] = []
+    sources: list[str] = []  # the observations used: assignment, token-deltas, validation, telemetry, layer-work
+    notes: list[str] = []  # why a figure is bounded or missing; disagreements between observations
+    metered_at: float = 0.0
+
+
 # --------------------------------------------------------------------------------------------
 # Artifacts
 
@@ -649,6 +697,8 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     AuditVerdict,
     NodeTrust,
     LedgerEntry,
+    MeteredWork,
+    SessionMeter,
     ArtifactManifest,
     CoverageRequest,
     CoverageReport,

@@ -24,6 +24,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, NotFoundError
 
 from neuron_bus import subjects as S
+from neuron_bus.trust.meter import KV_METER
 
 log = logging.getLogger("neuron_bus.nats")
 
@@ -140,6 +141,14 @@ def topology(replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) ->
         KeyValueConfig(
             bucket=S.KV_FLAGS,
             description="node_id -> NodeTrust (audit record; flagged nodes are excluded from routes)",
+            history=1,
+            ttl=None,
+            storage=StorageType.FILE,
+            replicas=r,
+        ),
+        KeyValueConfig(
+            bucket=KV_METER,
+            description="session_id -> SessionMeter (metered rewards: what the swarm observed each node compute)",
             history=1,
             ttl=None,
             storage=StorageType.FILE,
