@@ -38,10 +38,17 @@ def up(
     workdir: Path = typer.Option(None, help="Store and logs (default: a temporary directory)."),
     prompt: str = typer.Option(None, help="Once up, stream one generation of this prompt."),
     max_tokens: int = typer.Option(48, help="Tokens for --prompt."),
+    api_keys: Path = typer.Option(
+        None, "--api-keys", help="The gateway's API keys file (`neuron-bus api-key add`): /v1 and /ws need a key."
+    ),
 ) -> None:
     """Start nats-server, a tracker, N workers and the gateway on this machine; stop them all on Ctrl-C."""
     console = Console(stderr=True)
     try:
+        if api_keys:
+            from neuron_bus.gateway.access import Access
+
+            Access(api_keys)  # a bad keys file: one clear line before anything starts
         path = models.resolve(model)
         work = workdir or Path(tempfile.mkdtemp(prefix="neuron-bus-up-"))
         swarm = LocalSwarm(
@@ -53,6 +60,7 @@ def up(
             nats_port=nats_port,
             http_port=http_port,
             gateway_port=port or None,
+            gateway_extra=["--api-keys", str(api_keys.resolve())] if api_keys else None,
         )
     except (NeuronBusError, ValueError) as exc:  # an unknown or bad model file, or no loadable split into --shards
         fail(str(exc))
