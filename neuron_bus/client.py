@@ -54,18 +54,23 @@ class Generation:
 
 
 CONTROL_TIMEOUT_S = 30.0
+TRACKER_WAIT_S = 15.0  # a tracker that is restarting (`up` restarts it within seconds): new requests wait this long
+TRACKER_RETRY_S = 0.5
 
 
 class NeuronClient:
-    def __init__(self, nc, url: str = "", queue_limit: int = DEFAULT_QUEUE_LIMIT):
+    def __init__(self, nc, url: str = "", queue_limit: int = DEFAULT_QUEUE_LIMIT, tracker_wait: float = TRACKER_WAIT_S):
         self.nc = nc
         self.js = nc.jetstream()
         self.url = url
         self.admission = Admission(queue_limit)  # generations waiting for a free session slot
+        self.tracker_wait = tracker_wait  # how long a route or coverage request waits for a tracker to answer
 
     @classmethod
-    async def connect(cls, url: str, queue_limit: int = DEFAULT_QUEUE_LIMIT) -> NeuronClient:
-        return cls(await connect(url, name="neuron-bus-client"), url, queue_limit)
+    async def connect(
+        cls, url: str, queue_limit: int = DEFAULT_QUEUE_LIMIT, tracker_wait: float = TRACKER_WAIT_S
+    ) -> NeuronClient:
+        return cls(await connect(url, name="neuron-bus-client"), url, queue_limit, tracker_wait)
 
     async def close(self) -> None:
         await self.nc.drain()
@@ -106,12 +111,34 @@ class NeuronClient:
             raise RouteError(reply.code, f"{node_id}: {reply.message}", node_id=node_id)
         return reply
 
-    async def coverage(self, model_preset: str | None = None, timeout: float = CONTROL_TIMEOUT_S) -> M.CoverageReport:
-        """The tracker's coverage map (every model, or one)."""
+    async def ask_tracker(self, subject: str, req, timeout: float, wait: float | None = None):
+        """A request to the tracker. While none answers (it is restarting: no responders, or no
+        reply within ``timeout``) ask again for up to ``wait`` seconds (default ``tracker_wait``),
+        then fail with ``no_tracker``, saying for how long."""
+        wait = self.tracker_wait if wait is None else wait
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return await self.ask(subject, req, timeout, f"no tracker answered on {subject}", "no_tracker")
+            except RouteError as exc:
+                if exc.reason != "no_tracker":
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if wait <= 0:
+                        raise
+                    raise RouteError(
+                        "no_tracker",
+                        f"no tracker answered on {subject} for {wait:.0f}s (is `neuron-bus tracker` running?)",
+                    ) from None
+            await asyncio.sleep(min(TRACKER_RETRY_S, left))
+
+    async def coverage(
+        self, model_preset: str | None = None, timeout: float = CONTROL_TIMEOUT_S, wait: float | None = None
+    ) -> M.CoverageReport:
+        """The tracker's coverage map (every model, or one); ``wait``: see `ask_tracker`."""
         req = M.CoverageRequest(model_preset=model_preset)
-        msg = await self.ask(
-            S.TRACKER_COVERAGE, req, timeout, f"no tracker answered on {S.TRACKER_COVERAGE}", "no_tracker"
-        )
+        msg = await self.ask_tracker(S.TRACKER_COVERAGE, req, timeout, wait)
         reply = M.decode(msg.data, M.CoverageReport | M.ControlError)
         if isinstance(reply, M.ControlError):
             raise RouteError(reply.code, reply.message)
@@ -165,9 +192,7 @@ class NeuronClient:
         req = M.RouteRequest(
             request_id=uuid.uuid4().hex, model_preset=model_preset, wire_dtype=wire_dtype, encoding=encoding, **pins
         )
-        msg = await self.ask(
-            S.ROUTE_REQUEST, req, CONTROL_TIMEOUT_S, f"no tracker answered on {S.ROUTE_REQUEST}", "no_tracker"
-        )
+        msg = await self.ask_tracker(S.ROUTE_REQUEST, req, CONTROL_TIMEOUT_S)
         reply = M.decode(msg.data, M.RouteReply)
         if isinstance(reply, M.RouteRejection):
             raise RouteError("no_route", "no route: " + "; ".join(reply.reasons))

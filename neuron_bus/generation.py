@@ -32,6 +32,7 @@ from neuron_bus.telemetry import GenerationProgress
 from neuron_bus.timing import HEARTBEAT_LOSS_S
 
 STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route is considered dead
+CATCH_UP_S = 1.0  # this long without an event, the session's stored tokens are read for missed ones
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
 MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
 RETRYABLE = {
@@ -82,6 +83,7 @@ class GenerationRun:
         self.generated: list[int] = []  # token ids delivered, in order
         self.lost: set[str] = set()
         self.retries = self.repairs = 0
+        self.stream_seq: dict[str, int] = {}  # NEURON_TOKENS read up to here (catch-up reads)
 
     @property
     def live_route(self) -> M.RouteAssignment:
@@ -112,8 +114,6 @@ class GenerationRun:
                         need_start = False
                     async for event in self._route_events():
                         if isinstance(event, M.TokenDelta):
-                            if event.index < len(self.generated):
-                                continue  # a repaired route re-sent a token already delivered
                             self.generated.append(event.token_id)
                         yield event
                         if isinstance(event, M.TokenDelta) and event.finished:
@@ -261,29 +261,65 @@ class GenerationRun:
 
     async def _route_events(self):
         last_phase = "prefill"
+        quiet = 0.0
         while True:
             if self.sender.done() and self.sender.exception():
                 raise RouteError(
                     "prefill_failed", f"sending the prompt failed: {self.sender.exception()}", phase="prefill"
                 )
             try:
-                kind, data = await asyncio.wait_for(self.queue.get(), STALL_TIMEOUT_S)
+                kind, data = await asyncio.wait_for(self.queue.get(), CATCH_UP_S)
             except TimeoutError:
-                raise RouteError(
-                    "stalled",
-                    f"no progress from route {self.live_route.route_id} for {STALL_TIMEOUT_S:.0f}s",
-                    phase=last_phase,
-                ) from None
+                quiet += CATCH_UP_S
+                if quiet >= STALL_TIMEOUT_S:
+                    raise RouteError(
+                        "stalled",
+                        f"no progress from route {self.live_route.route_id} for {STALL_TIMEOUT_S:.0f}s",
+                        phase=last_phase,
+                    ) from None
+                await self._catch_up()  # a quiet route, or a subscription that missed messages
+                continue
+            quiet = 0.0
+            if kind == "catch_up":
+                await self._catch_up()
+                continue
             if kind == "lost":
                 node, silent = data
                 raise RouteError(
                     "node_lost", f"node {node} sent no heartbeat for {silent:.1f}s", phase=last_phase, node_id=node
                 )
             event = session_events.read(kind, data, last_phase)
-            if event is None:
-                continue  # a rejected stray message; the session goes on
+            if event is None or (isinstance(event, M.TokenDelta) and not self._next_token(event)):
+                continue  # a rejected stray message, a token already delivered, or not this session's
             last_phase = event.phase if isinstance(event, M.GenerationTelemetry) else "decode"
             yield event
+
+    def _next_token(self, event: M.TokenDelta) -> bool:
+        """Is ``event`` the next token? One already delivered (a repaired route, or read again from
+        the stream) is not; one past a gap means a token was missed: the stream is read for it."""
+        if event.session_id != self.session_id or event.index < len(self.generated):
+            return False
+        if event.index > len(self.generated):
+            self.queue.put_nowait(("catch_up", None))
+            return False
+        return True
+
+    async def _catch_up(self) -> None:
+        """Queue the session's token deltas and errors that NEURON_TOKENS holds past what was read
+        from it so far: the core subscription misses whatever the route published while this
+        client's connection moved to another server (a server died); the stream kept it."""
+        for kind, subject in (("token", S.session_tokens), ("error", S.session_error)):
+            seq = self.stream_seq.get(kind, 1)
+            while True:
+                try:
+                    raw = await self.client.js.get_msg(
+                        S.STREAM_TOKENS, seq=seq, subject=subject(self.session_id), next=True
+                    )
+                except Exception:  # nothing more (NotFound), or the bus is away: the next quiet spell retries
+                    break
+                seq = (raw.seq or seq) + 1
+                self.queue.put_nowait((kind, raw.data))
+            self.stream_seq[kind] = seq
 
     # ------------------------------------------------------------------ recovery, failure, close
 

@@ -27,6 +27,9 @@ def gateway(
         help="API keys file (JSON: id, sha256, requests_per_minute, burst; `neuron-bus api-key add`): "
         "/v1 and /ws then need 'Authorization: Bearer <key>' (401 without, 429 past the key's rate).",
     ),
+    tracker_wait: float = typer.Option(
+        10.0, min=0.0, help="Seconds a request waits for a tracker that is not answering (503 no_tracker beyond)."
+    ),
     body_timeout: float = typer.Option(
         30.0, min=0.1, help="Seconds a request body may take to arrive (408 beyond: slow clients)."
     ),
@@ -52,7 +55,9 @@ def gateway(
 
     try:
         limits = Limits(max_context=max_context, max_queue=max_queue, body_timeout_s=body_timeout)
-        asyncio.run(serve(nats, host, port, limits, chunk_size, on_ready=ready, api_keys=api_keys))
+        asyncio.run(
+            serve(nats, host, port, limits, chunk_size, on_ready=ready, api_keys=api_keys, tracker_wait=tracker_wait)
+        )
     except OSError as exc:  # no NATS server, or the port is taken
         fail(f"gateway cannot start: {exc}")
 

@@ -98,7 +98,7 @@ def tracker(
 
 async def fetch_coverage(url: str, model_preset: str | None, timeout: float) -> messages.CoverageReport:
     async with await NeuronClient.connect(url) as client:
-        return await client.coverage(model_preset, timeout)
+        return await client.coverage(model_preset, timeout, wait=0)
 
 
 @app.command()

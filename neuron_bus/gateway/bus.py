@@ -128,19 +128,21 @@ class Bus:
 
     # ------------------------------------------------------------------ tracker
 
-    async def coverage(self, model_preset: str | None = None) -> M.CoverageReport:
+    async def coverage(self, model_preset: str | None = None, wait: float | None = None) -> M.CoverageReport:
+        """The tracker's coverage map; a request waits for a restarting tracker (the client's
+        ``tracker_wait``), a health check (``wait=0``) does not."""
         try:
-            return await self.client.coverage(model_preset, timeout=TRACKER_TIMEOUT_S)
+            return await self.client.coverage(model_preset, timeout=TRACKER_TIMEOUT_S, wait=wait)
         except RouteError as exc:
             raise route_api_error(exc) from None
 
-    async def models(self) -> list[str]:
-        return routable(await self.coverage())
+    async def models(self, wait: float | None = None) -> list[str]:
+        return routable(await self.coverage(wait=wait))
 
     async def health(self) -> dict:
         nats_ok = self.client.nc.is_connected
         try:
-            models = await self.models() if nats_ok else []
+            models = await self.models(wait=0) if nats_ok else []
             tracker_ok = True
         except ApiError:
             models, tracker_ok = [], False
