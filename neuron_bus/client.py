@@ -22,7 +22,7 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.admission import DEFAULT_LIMIT as DEFAULT_QUEUE_LIMIT
 from neuron_bus.admission import Admission
-from neuron_bus.errors import RouteError
+from neuron_bus.errors import MalformedMessage, RouteError
 from neuron_bus.generation import PREFILL_RETRIES, STALL_TIMEOUT_S, GenerationRun  # noqa: F401  (re-exported)
 from neuron_bus.models import DEFAULT_PRESET
 from neuron_bus.timing import AVOID_LOST_S
@@ -95,6 +95,15 @@ class NeuronClient:
                 raise self.bus_down() from None
             raise RouteError(reason, f"{unanswered}: {type(exc).__name__}", node_id=node_id) from None
 
+    @staticmethod
+    def reply(msg, kind, who: str, node_id: str | None = None):
+        """A reply decoded as ``kind``; one that is not (a responder that answers garbage) is a
+        RouteError ``bad_reply`` naming who answered, never an unexplained crash."""
+        try:
+            return M.decode(msg.data, kind)
+        except MalformedMessage as exc:
+            raise RouteError("bad_reply", f"{who} answered with a malformed reply: {exc}", node_id=node_id) from None
+
     def bus_down(self) -> RouteError:
         where = f" at {self.url}" if self.url else ""
         return RouteError(
@@ -106,7 +115,7 @@ class NeuronClient:
         msg = await self.ask(
             S.node_control(node_id), req, timeout, f"node {node_id} did not answer", "node_unreachable", node_id
         )
-        reply = M.decode(msg.data, M.ControlReply)
+        reply = self.reply(msg, M.ControlReply, f"node {node_id}", node_id)
         if isinstance(reply, M.ControlError):
             raise RouteError(reply.code, f"{node_id}: {reply.message}", node_id=node_id)
         return reply
@@ -139,7 +148,7 @@ class NeuronClient:
         """The tracker's coverage map (every model, or one); ``wait``: see `ask_tracker`."""
         req = M.CoverageRequest(model_preset=model_preset)
         msg = await self.ask_tracker(S.TRACKER_COVERAGE, req, timeout, wait)
-        reply = M.decode(msg.data, M.CoverageReport | M.ControlError)
+        reply = self.reply(msg, M.CoverageReport | M.ControlError, f"the tracker on {S.TRACKER_COVERAGE}")
         if isinstance(reply, M.ControlError):
             raise RouteError(reply.code, reply.message)
         return reply
@@ -193,7 +202,7 @@ class NeuronClient:
             request_id=uuid.uuid4().hex, model_preset=model_preset, wire_dtype=wire_dtype, encoding=encoding, **pins
         )
         msg = await self.ask_tracker(S.ROUTE_REQUEST, req, CONTROL_TIMEOUT_S)
-        reply = M.decode(msg.data, M.RouteReply)
+        reply = self.reply(msg, M.RouteReply, f"the tracker on {S.ROUTE_REQUEST}")
         if isinstance(reply, M.RouteRejection):
             raise RouteError("no_route", "no route: " + "; ".join(reply.reasons))
         return reply

@@ -13,6 +13,7 @@ Conventions
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import msgspec
@@ -32,6 +33,28 @@ FinishReason = Literal["stop", "length", "error"]
 
 class Struct(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     """Base for every message: keyword-only fields; unknown fields are ignored (forward compatible)."""
+
+
+_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def _require(ok: bool, what: str) -> None:
+    """A semantic check of a message (``__post_init__``): msgspec turns the ValueError into a
+    ValidationError when decoding, so such a message is malformed like any other."""
+    if not ok:
+        raise ValueError(what)
+
+
+def _check_node(node_id: str, layer_start: int, layer_end: int, n_layers: int | None = None) -> None:
+    _require(bool(_ID.match(node_id)), f"node_id {node_id[:40]!r} is not 1-128 of A-Z a-z 0-9 _ -")
+    _require(0 <= layer_start < layer_end, f"layer range [{layer_start}, {layer_end}) is empty or negative")
+    if n_layers is not None:
+        _require(layer_end <= n_layers, f"layer range [{layer_start}, {layer_end}) beyond the model's {n_layers}")
+
+
+def _non_negative(**values: float) -> None:
+    for name, v in values.items():
+        _require(v >= 0, f"{name} must not be negative")
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,6 +83,21 @@ class CapabilityReport(BackendCapability, kw_only=True):
     # output head (artifacts/work.py). [] unknown
     active_parameters_per_layer: list[float] = []
 
+    def __post_init__(self) -> None:
+        _check_node(self.node_id, self.layer_start, self.layer_end, self.n_layers_total)
+        _require(self.hidden_size > 0, "hidden_size must be positive")
+        _require(
+            not self.active_parameters_per_layer
+            or len(self.active_parameters_per_layer) == self.layer_end - self.layer_start,
+            "active_parameters_per_layer must hold one figure per layer of the range",
+        )
+        _non_negative(
+            work=min(self.active_parameters_per_layer, default=0.0),
+            prefill_tokens_per_second=self.prefill_tokens_per_second,
+            decode_tokens_per_second=self.decode_tokens_per_second,
+            cache_bytes_per_token_estimate=self.cache_bytes_per_token_estimate,
+        )
+
 
 class NodeHeartbeat(Struct):
     """Periodic worker telemetry; the tracker expires nodes whose heartbeats stop."""
@@ -81,6 +119,20 @@ class NodeHeartbeat(Struct):
     route_failure_rate: float = 0.0
     cache_warmth: float = 0.0
     status: Literal["starting", "ready", "draining"] = "ready"
+
+    def __post_init__(self) -> None:
+        _check_node(self.node_id, self.layer_start, self.layer_end)
+        _non_negative(
+            seq=self.seq,
+            sessions_active=self.sessions_active,
+            cache_bytes=self.cache_bytes,
+            queue_depth=self.queue_depth,
+            prefill_tokens_per_second=self.prefill_tokens_per_second,
+            decode_tokens_per_second=self.decode_tokens_per_second,
+            memory_pressure=self.memory_pressure,
+            route_failure_rate=self.route_failure_rate,
+            neighbour_latency_ms=min(self.neighbour_latency_ms.values(), default=0.0),
+        )
 
 
 # --------------------------------------------------------------------------------------------

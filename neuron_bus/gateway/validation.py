@@ -100,6 +100,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # nesting deeper than the parser goes
+        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     return body

@@ -24,12 +24,13 @@ __all__ = ["NodeLedger", "inference_weight", "ledger", "read_ledger", "read_mete
 
 async def read_ledger(js: JetStreamContext) -> list[M.LedgerEntry]:
     """Every self-report (claim) in NEURON_LEDGER, oldest first."""
-    return [e async for e in stored(js, S.STREAM_LEDGER, S.LEDGER_ALL, M.LedgerEntry)]
+    return [e async for e in stored(js, S.STREAM_LEDGER, S.LEDGER_ALL, M.LedgerEntry, skip_malformed=True)]
 
 
 async def read_meters(js: JetStreamContext) -> list[M.SessionMeter]:
     """Every metered session record (the KV bucket's stream, in order; none while no meter ran)."""
-    return [m async for m in stored(js, f"KV_{KV_METER}", f"$KV.{KV_METER}.>", M.SessionMeter)]
+    meters = stored(js, f"KV_{KV_METER}", f"$KV.{KV_METER}.>", M.SessionMeter, skip_malformed=True)
+    return [m async for m in meters]
 
 
 async def ledger(js: JetStreamContext) -> dict[str, NodeLedger]:

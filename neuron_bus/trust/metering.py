@@ -28,6 +28,7 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage
 from neuron_bus.topology import topology
+from neuron_bus.trust.events import route_assignment
 from neuron_bus.trust.meter import (
     KV_METER,
     Evidence,
@@ -70,7 +71,6 @@ class Meter:
             self.kv = await self.js.key_value(KV_METER)
         except (jserr.NotFoundError, jserr.BucketNotFoundError):
             self.kv = await self.js.create_key_value(next(kv for kv in topology().kv if kv.bucket == KV_METER))
-        self.routes = await self.js.key_value(S.KV_ROUTES)
         self.nodes = await self.js.key_value(S.KV_NODES)
         self.sub = await self.js.pull_subscribe(
             S.LEDGER_ALL,
@@ -133,6 +133,9 @@ class Meter:
                 except (nats.errors.Error, jserr.Error) as exc:
                     log.warning("session %s not metered yet: %s", session_id, exc)
                     continue  # unacknowledged: redelivered after the ack wait
+                except MalformedMessage as exc:  # a record that is not one sits under its key
+                    log.warning("session %s: its stored record is unreadable: %s", session_id, exc)
+                    record = M.SessionMeter(session_id=session_id, status="unmetered")
                 self._warn(record, p.claims)
                 for msg in p.msgs:
                     await msg.ack()
@@ -153,6 +156,11 @@ class Meter:
         except (jserr.KeyNotFoundError, MalformedMessage):
             pass
         record = meter_session(await self.evidence(session_id))
+        if record.status == "unmetered" and not record.route_id:
+            # nothing observed the session at all: claims for invented sessions are not paid, and
+            # cost no record (a claim must not buy a write)
+            log.info("session %s: claimed, never observed: not metered", session_id)
+            return record
         try:
             await self.kv.create(session_id, M.encode(record))
         except jserr.KeyWrongLastSequenceError:  # another meter was first
@@ -197,15 +205,7 @@ class Meter:
         return out
 
     async def _assignment(self, route_id: str) -> M.RouteAssignment | None:
-        try:
-            S.check_token(route_id, "route id")
-        except ValueError:
-            return None
-        try:
-            return M.decode((await self.routes.get(route_id)).value, M.RouteAssignment)
-        except (jserr.KeyNotFoundError, MalformedMessage):
-            pass
-        return await self._last(S.STREAM_ROUTES, S.route_assign(route_id), M.RouteAssignment)
+        return await route_assignment(self.js, route_id)
 
     async def _layer_work(self, route: M.RouteAssignment | None) -> dict[str, list[float | None]]:
         """The layer work per model revision, read again when stale or missing a layer of ``route``."""
