@@ -165,15 +165,19 @@ class NeuronClient:
         wire_dtype: M.WireDtype = "f32",
         encoding: M.Encoding = "raw",
         avoid: set[str] | frozenset[str] = frozenset(),
+        check_tokens: bool = False,
     ) -> Prepared:
         """A route (``route``, or one from the tracker avoiding the nodes in ``avoid``) and the
-        prompt's tokens: ``prompt_tokens`` as given, else ``prompt`` or ``messages`` tokenized by
-        the route's head (which applies the model's chat template to messages)."""
+        prompt's tokens: ``prompt_tokens`` as given (``check_tokens``: checked by the head against
+        its vocabulary first), else ``prompt`` or ``messages`` tokenized by the route's head (which
+        applies the model's chat template to messages)."""
         if route is None:
             route = await self.route(model_preset, wire_dtype, encoding, policy=policy, avoid=avoid)
         if prompt_tokens is None:
             tokenize = M.TokenizeRequest(text=prompt, messages=messages)
             prompt_tokens = (await self.control(route.hops[0].node_id, tokenize)).tokens
+        elif check_tokens:  # ids from an untrusted caller: the head checks them (bad_input)
+            await self.control(route.hops[0].node_id, M.TokenizeRequest(tokens=list(prompt_tokens)))
         if not prompt_tokens:
             raise RouteError("empty_prompt", "the prompt has no tokens")
         return Prepared(route, list(prompt_tokens))

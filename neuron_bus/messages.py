@@ -329,6 +329,7 @@ class TokenizeRequest(Struct, tag_field="op", tag="tokenize"):
     text: str | None = None
     messages: list[dict[str, str]] | None = None
     add_generation_prompt: bool = True
+    tokens: list[int] | None = None  # a prompt given as token ids: checked against the head's vocabulary
 
 
 class TokenizeReply(Struct, tag_field="type", tag="tokens"):

@@ -289,6 +289,7 @@ def test_malformed_messages_never_disturb_the_tracker_meter_and_auditor(swarm):
         flags = loop.run(_flags(swarm.url))
         assert not any(flags.get(n) and flags[n].flagged for n in LEGIT), flags
         assert sum(state["sent"].values()) >= 500, state["sent"]
+        print(f"fuzzed the tracker, meter and auditor: {state['sent']}; {len(state['outputs'])} sessions unchanged")
         no_traceback(swarm, "tracker", "auditor")
         # they come back with the garbage still stored (KV, streams), and serve
         for name in ("tracker", "auditor"):

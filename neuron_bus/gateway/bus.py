@@ -179,11 +179,18 @@ class Bus:
         req.model = model
         try:
             p = await self.client.prepare(
-                model, prompt=req.prompt, messages=req.messages, prompt_tokens=req.prompt_tokens, policy=req.policy
+                model,
+                prompt=req.prompt,
+                messages=req.messages,
+                prompt_tokens=req.prompt_tokens,
+                policy=req.policy,
+                check_tokens=True,
             )
         except RouteError as exc:
             if exc.reason == "empty_prompt":
                 raise ApiError(422, "the prompt has no tokens", param="prompt", code="empty_prompt") from None
+            if exc.reason == "bad_input":  # a token id the model does not have
+                raise ApiError(422, str(exc), param="prompt", code="invalid_token") from None
             raise route_api_error(exc) from None
         route, tokens = p.route, p.prompt_tokens
         if len(tokens) + req.sampling.max_tokens > self.limits.max_context:

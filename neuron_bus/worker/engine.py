@@ -205,7 +205,10 @@ class HopEngine:
             elif isinstance(result, Exception):
                 refused = getattr(result, "reason", None) == "bad_input"  # refused before any model work
                 reason = "bad_input" if refused else "backend_error"
-                outcomes.append(Failed(st, reason, str(result), fatal=not refused))
+                # a prompt chunk the head refuses (a token the model does not have) cannot be sent again
+                # right: the session ends, explicitly, instead of waiting for it
+                prompt = s.hop_index == 0 and st.header.phase == "prefill"
+                outcomes.append(Failed(st, reason, str(result), fatal=not refused or prompt))
             else:
                 before = s.position
                 s.position += st.positions
