@@ -27,6 +27,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage
+from neuron_bus.kvmirror import KVMirror
 from neuron_bus.topology import topology
 from neuron_bus.trust.events import route_assignment
 from neuron_bus.trust.meter import (
@@ -36,7 +37,6 @@ from neuron_bus.trust.meter import (
     disagreement,
     layer_work,
     meter_session,
-    range_work,
 )
 
 log = logging.getLogger("neuron_bus.meter")
@@ -44,7 +44,6 @@ log = logging.getLogger("neuron_bus.meter")
 DURABLE = "neuron-meter"
 SETTLE_S = 2.0
 EVIDENCE_MAX_AGE_S = 900.0  # NEURON_TOKENS keeps token deltas 15 minutes
-LAYER_WORK_TTL_S = 30.0
 MAX_DELTAS = 1 << 16
 
 
@@ -63,7 +62,8 @@ class Meter:
         self.metered = 0
         self.flagged_claims = 0
         self.pending: dict[str, _Pending] = {}
-        self._work: tuple[float, dict[str, list[float | None]]] = (0.0, {})
+        self._work: tuple[int, dict[str, list[float | None]]] = (-1, {})
+        self._nodes = KVMirror(self.js, S.KV_NODES, M.CapabilityReport)  # the reports: the model's layer work
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -71,7 +71,7 @@ class Meter:
             self.kv = await self.js.key_value(KV_METER)
         except (jserr.NotFoundError, jserr.BucketNotFoundError):
             self.kv = await self.js.create_key_value(next(kv for kv in topology().kv if kv.bucket == KV_METER))
-        self.nodes = await self.js.key_value(S.KV_NODES)
+        await self._nodes.start()
         self.sub = await self.js.pull_subscribe(
             S.LEDGER_ALL,
             durable=DURABLE,
@@ -89,6 +89,7 @@ class Meter:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._nodes.stop()
 
     # ------------------------------------------------------------------ claims in
 
@@ -208,24 +209,11 @@ class Meter:
         return await route_assignment(self.js, route_id)
 
     async def _layer_work(self, route: M.RouteAssignment | None) -> dict[str, list[float | None]]:
-        """The layer work per model revision, read again when stale or missing a layer of ``route``."""
-        at, work = self._work
-        age = time.monotonic() - at
-        known = route is None or all(
-            range_work(work.get(route.model_revision), h.layer_start, h.layer_end) is not None for h in route.hops
-        )
-        if age < LAYER_WORK_TTL_S and (known or age < 2.0):
-            return work
-        reports = []
-        try:
-            keys = await self.nodes.keys()
-        except jserr.NoKeysError:
-            keys = []
-        for key in keys:
-            try:
-                reports.append(M.decode((await self.nodes.get(key)).value, M.CapabilityReport))
-            except (jserr.KeyNotFoundError, MalformedMessage):
-                continue
-        work = layer_work(reports)
-        self._work = (time.monotonic(), work)
+        """The layer work per model revision, from the mirror of KV neuron-nodes (derived again
+        when a report changed)."""
+        version, work = self._work
+        if version != self._nodes.version:
+            reports = [r for r in self._nodes.values.values() if isinstance(r, M.CapabilityReport)]
+            work = layer_work(reports)
+            self._work = (self._nodes.version, work)
         return work
