@@ -227,3 +227,18 @@ def test_a_websocket_client_that_disconnects_mid_decode_frees_its_session_within
     session = asyncio.run(scenario())
     freed = wait_freed(swarm, session, time.monotonic())
     print(f"WebSocket disconnect: freed on every hop after {freed:.2f}s")
+
+
+def test_up_passes_its_api_keys_to_the_gateway_and_refuses_a_bad_file_before_starting(tmp_path, keys):
+    from tests.test_up import running_up
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"keys": [{"id": "x"}]}')
+    out = subprocess.run(cli() + ["up", "--api-keys", str(bad)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "key x: needs 'sha256'" in out.stderr, out.stderr
+    path, _, bob = keys
+    with running_up(tmp_path / "up", "--shards", "1", "--api-keys", str(path)) as (_, _, gateway):
+        base = f"http://127.0.0.1:{gateway}"
+        assert call(f"{base}/v1/models")[0] == 401
+        status, _, body = call(f"{base}/v1/completions", COMPLETION, key=bob)
+        assert status == 200, body
