@@ -160,6 +160,11 @@ def sample(swarm: LocalSwarm, started: float) -> dict:
     }
 
 
+def consumers_back(s: dict, baseline: dict) -> bool:
+    """No stream has more consumers than before the load (fewer: a reader's lingering one expired)."""
+    return all(n <= baseline["consumers"].get(stream, 0) for stream, n in s["consumers"].items())
+
+
 def settle(swarm: LocalSwarm, baseline: dict, started: float, timeout: float = 90.0) -> dict:
     """Sample until sessions, consumers and subscriptions are back at the baseline (or timeout)."""
     deadline = time.monotonic() + timeout
@@ -167,7 +172,7 @@ def settle(swarm: LocalSwarm, baseline: dict, started: float, timeout: float = 9
         s = sample(swarm, started)
         back = (
             not any(s["sessions"].values())
-            and s["consumers"] == baseline["consumers"]
+            and consumers_back(s, baseline)
             and s["subscriptions"] <= baseline["subscriptions"]
             and not s["gateway_active"]
         )
@@ -228,7 +233,7 @@ def report(args, baseline: dict, samples: list[dict], end: dict, tally: Tally, l
     growth = {n: round(end["rss_mb"].get(n, 0.0) - baseline["rss_mb"][n], 1) for n in baseline["rss_mb"]}
     checks = {
         "sessions back to 0": not any(end["sessions"].values()),
-        "consumers back to baseline": end["consumers"] == baseline["consumers"],
+        "consumers back to baseline": consumers_back(end, baseline),
         "subscriptions back to baseline": end["subscriptions"] <= baseline["subscriptions"],
         "connections back to baseline": end["connections"] <= baseline["connections"],
         "no generation left in the gateway": not end["gateway_active"],
@@ -268,7 +273,8 @@ def markdown(r: dict) -> str:
         f"Requests: {r['requests']['finished']} finished, {r['requests']['disconnected']} disconnected mid-decode, "
         f"{r['requests']['errors']} errors {r['error_kinds'] or ''}; {r['tokens_streamed']} tokens streamed "
         f"({r['aggregate_tok_s']} tok/s aggregate), TTFT p50 {r['ttft_p50_s']} s. Peak open sessions "
-        f"{r['peak_sessions']}, peak NATS consumers {r['peak_consumers']}.",
+        f"{r['peak_sessions']} (summed over the workers: a session is open on both hops), peak NATS consumers "
+        f"{r['peak_consumers']} (two per route a worker serves, plus the readers').",
         "",
         "| process | RSS baseline MB | peak MB | after the load MB | growth MB |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -286,6 +292,14 @@ def markdown(r: dict) -> str:
         f"| NATS subscriptions | {b['subscriptions']} | {e['subscriptions']} |",
         "",
         "Checks: " + "; ".join(f"{k}: {'yes' if v else '**no**'}" for k, v in r["checks"].items()) + ".",
+        "",
+        "Reading it: open sessions, per-route consumers, connections and subscriptions return to their "
+        "baseline once the load stops (consumers per stream may end below it: a reader's one-off "
+        "consumer from before the load expired). The nats-server's RSS stays above its baseline by what "
+        "the streams retain by design (token deltas 15 min and telemetry 1 h in memory, validation events "
+        "and the ledger on file), not by what the sessions left open; the Python processes' RSS is flat.",
+        "",
+        f"Samples every {a['every']:g} s are in docs/soak.json.",
         "",
     ]
     return "\n".join(lines)

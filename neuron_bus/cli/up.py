@@ -45,23 +45,7 @@ def up(
     """Start nats-server, a tracker, N workers and the gateway on this machine; stop them all on Ctrl-C."""
     console = Console(stderr=True)
     try:
-        if api_keys:
-            from neuron_bus.gateway.access import Access
-
-            Access(api_keys)  # a bad keys file: one clear line before anything starts
-        path = models.resolve(model)
-        work = workdir or Path(tempfile.mkdtemp(prefix="neuron-bus-up-"))
-        swarm = LocalSwarm(
-            path,
-            shards,
-            backend=backend,
-            threads=threads,
-            workdir=work,
-            nats_port=nats_port,
-            http_port=http_port,
-            gateway_port=port or None,
-            gateway_extra=["--api-keys", str(api_keys.resolve())] if api_keys else None,
-        )
+        swarm = make_swarm(model, shards, backend, threads, nats_port, http_port, port, workdir, api_keys)
     except (NeuronBusError, ValueError) as exc:  # an unknown or bad model file, or no loadable split into --shards
         fail(str(exc))
     start(swarm, console)
@@ -86,6 +70,25 @@ def up(
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         console.print("stopping the swarm")
         swarm.stop()
+
+
+def make_swarm(model, shards, backend, threads, nats_port, http_port, port, workdir, api_keys) -> LocalSwarm:
+    """The swarm `up` starts; a bad keys file is refused (ValueError) before anything starts."""
+    if api_keys:
+        from neuron_bus.gateway.access import Access
+
+        Access(api_keys)
+    return LocalSwarm(
+        models.resolve(model),
+        shards,
+        backend=backend,
+        threads=threads,
+        workdir=workdir or Path(tempfile.mkdtemp(prefix="neuron-bus-up-")),
+        nats_port=nats_port,
+        http_port=http_port,
+        gateway_port=port or None,
+        gateway_extra=["--api-keys", str(Path(api_keys).resolve())] if api_keys else None,
+    )
 
 
 def start(swarm: LocalSwarm, console: Console) -> None:
