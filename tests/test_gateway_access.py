@@ -21,6 +21,7 @@ from neuron_bus.client import NeuronClient
 from neuron_bus.gateway.access import add_key
 from neuron_bus.local_swarm import LocalSwarm, cli
 from neuron_bus.natsserver import free_port
+from tests.test_gateway_browser import browser as _browser  # noqa: F401  (the fixture "browser": headless chromium)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -242,3 +243,24 @@ def test_up_passes_its_api_keys_to_the_gateway_and_refuses_a_bad_file_before_sta
         assert call(f"{base}/v1/models")[0] == 401
         status, _, body = call(f"{base}/v1/completions", COMPLETION, key=bob)
         assert status == 200, body
+
+
+def test_the_web_page_asks_for_a_key_and_uses_it(swarm, keys, browser):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _, _, bob = keys
+    browser.get(swarm.gateway_url + "/")
+    wait = WebDriverWait(browser, 60, poll_frequency=0.1)
+    text = lambda el_id: browser.find_element(By.ID, el_id).text  # noqa: E731
+    wait.until(lambda d: "API key" in text("coverage"))  # the WebSocket was refused: it says why
+    box = browser.find_element(By.ID, "api_key")
+    box.send_keys(bob, Keys.TAB)  # change: reconnect with the key (subprotocols "bearer, <key>")
+    wait.until(lambda d: "worker-1" in text("coverage"))
+    browser.find_element(By.ID, "prompt").send_keys("Hi")
+    browser.find_element(By.ID, "max_tokens").clear()
+    browser.find_element(By.ID, "max_tokens").send_keys("3")
+    browser.find_element(By.ID, "send").click()
+    wait.until(lambda d: browser.find_element(By.ID, "status").get_attribute("data-state") in ("done", "failed"))
+    assert browser.find_element(By.ID, "status").get_attribute("data-state") == "done", text("error")

@@ -47,6 +47,13 @@ EVIDENCE_MAX_AGE_S = 900.0  # NEURON_TOKENS keeps token deltas 15 minutes
 MAX_DELTAS = 1 << 16
 
 
+async def _ack(msg) -> None:
+    try:
+        await msg.ack()
+    except (nats.errors.Error, jserr.Error):  # the connection moved: the claim comes again, and is metered once
+        pass
+
+
 @dataclass
 class _Pending:
     first: float
@@ -113,11 +120,11 @@ class Meter:
                 raise MalformedMessage("not_inference", "no session to meter")
             S.check_token(claim.session_id, "session id")
         except (MalformedMessage, ValueError):
-            await msg.ack()  # seeding, or nothing a session could be metered for
+            await _ack(msg)  # seeding, or nothing a session could be metered for
             return
         stamp = msg.metadata.timestamp.timestamp() if msg.metadata and msg.metadata.timestamp else time.time()
         if time.time() - stamp > EVIDENCE_MAX_AGE_S:
-            await msg.ack()  # its evidence is gone: the ledger shows it as pending, unpaid
+            await _ack(msg)  # its evidence is gone: the ledger shows it as pending, unpaid
             return
         p = self.pending.setdefault(claim.session_id, _Pending(time.monotonic()))
         p.msgs.append(msg)
@@ -139,7 +146,7 @@ class Meter:
                     record = M.SessionMeter(session_id=session_id, status="unmetered")
                 self._warn(record, p.claims)
                 for msg in p.msgs:
-                    await msg.ack()
+                    await _ack(msg)
 
     def _warn(self, record: M.SessionMeter, claims: list[M.LedgerEntry]) -> None:
         for claim in claims:
