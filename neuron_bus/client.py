@@ -16,13 +16,14 @@ import os
 import time
 import uuid
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.admission import DEFAULT_LIMIT as DEFAULT_QUEUE_LIMIT
 from neuron_bus.admission import Admission
-from neuron_bus.errors import RouteError
+from neuron_bus.errors import MalformedMessage, RouteError
 from neuron_bus.generation import PREFILL_RETRIES, STALL_TIMEOUT_S, GenerationRun  # noqa: F401  (re-exported)
 from neuron_bus.models import DEFAULT_PRESET
 from neuron_bus.timing import AVOID_LOST_S
@@ -56,18 +57,22 @@ class Generation:
 
 CONTROL_TIMEOUT_S = 30.0
 ENCRYPT_ENV = "NEURON_ENCRYPT_ACTIVATIONS"
+TRACKER_WAIT_S = 15.0  # a tracker that is restarting (`up` restarts it within seconds): new requests wait this long
+TRACKER_RETRY_S = 0.5
 
 
 class NeuronClient:
     """``authenticate``: give every session fresh link keys (MACs on every activation, proofs for
     close and resume; trust/sealing.py); ``encrypt_activations``: seal activation bodies and
-    snapshots too (AEAD). The client's sessions are owned by its credential's name (`owner`)."""
+    snapshots too (AEAD). The client's sessions are owned by its credential's name (`owner`).
+    ``tracker_wait``: how long a route or coverage request waits for a tracker to answer."""
 
     def __init__(
         self,
         nc,
         url: str = "",
         queue_limit: int = DEFAULT_QUEUE_LIMIT,
+        tracker_wait: float = TRACKER_WAIT_S,
         *,
         authenticate: bool = True,
         encrypt_activations: bool = False,
@@ -79,15 +84,22 @@ class NeuronClient:
         self.owner = owner_of(nc)
         self.authenticate = authenticate or encrypt_activations
         self.encrypt_activations = encrypt_activations
+        self.tracker_wait = tracker_wait
 
     @classmethod
     async def connect(
-        cls, url: str, queue_limit: int = DEFAULT_QUEUE_LIMIT, creds: str | None = None, **security
+        cls,
+        url: str,
+        queue_limit: int = DEFAULT_QUEUE_LIMIT,
+        creds: str | None = None,
+        tracker_wait: float = TRACKER_WAIT_S,
+        **security,
     ) -> NeuronClient:
         """``security``: ``authenticate``, ``encrypt_activations`` (default: env ``NEURON_ENCRYPT_ACTIVATIONS``,
         which ``generate --encrypt-activations`` and ``gateway --encrypt-activations`` set)."""
         security.setdefault("encrypt_activations", os.environ.get(ENCRYPT_ENV, "") == "1")
-        return cls(await connect(url, name="neuron-bus-client", creds=creds), url, queue_limit, **security)
+        nc = await connect(url, name="neuron-bus-client", creds=creds)
+        return cls(nc, url, queue_limit, tracker_wait, **security)
 
     async def close(self) -> None:
         await self.nc.drain()
@@ -112,6 +124,17 @@ class NeuronClient:
                 raise self.bus_down() from None
             raise RouteError(reason, f"{unanswered}: {type(exc).__name__}", node_id=node_id) from None
 
+    @staticmethod
+    def reply(msg, kind, who: str, node_id: str | None = None):
+        """A reply decoded as ``kind``; one that is not (a responder that answers garbage) is a
+        RouteError ``bad_reply`` naming who answered, never an unexplained crash."""
+        try:
+            return M.decode(msg.data, kind)
+        except MalformedMessage as exc:
+            raise RouteError(
+                Reason.BAD_REPLY, f"{who} answered with a malformed reply: {exc}", node_id=node_id
+            ) from None
+
     def bus_down(self) -> RouteError:
         where = f" at {self.url}" if self.url else ""
         return RouteError(
@@ -123,18 +146,40 @@ class NeuronClient:
         msg = await self.ask(
             S.node_control(node_id), req, timeout, f"node {node_id} did not answer", Reason.NODE_UNREACHABLE, node_id
         )
-        reply = M.decode(msg.data, M.ControlReply)
+        reply = self.reply(msg, M.ControlReply, f"node {node_id}", node_id)
         if isinstance(reply, M.ControlError):
             raise RouteError(Reason.of(reply.code), f"{node_id}: {reply.message}", node_id=node_id)
         return reply
 
-    async def coverage(self, model_preset: str | None = None, timeout: float = CONTROL_TIMEOUT_S) -> M.CoverageReport:
-        """The tracker's coverage map (every model, or one)."""
+    async def ask_tracker(self, subject: str, req, timeout: float, wait: float | None = None):
+        """A request to the tracker. While none answers (it is restarting: no responders, or no
+        reply within ``timeout``) ask again for up to ``wait`` seconds (default ``tracker_wait``),
+        then fail with ``no_tracker``, saying for how long."""
+        wait = self.tracker_wait if wait is None else wait
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                return await self.ask(subject, req, timeout, f"no tracker answered on {subject}", Reason.NO_TRACKER)
+            except RouteError as exc:
+                if exc.reason != Reason.NO_TRACKER:
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if wait <= 0:
+                        raise
+                    raise RouteError(
+                        Reason.NO_TRACKER,
+                        f"no tracker answered on {subject} for {wait:.0f}s (is `neuron-bus tracker` running?)",
+                    ) from None
+            await asyncio.sleep(min(TRACKER_RETRY_S, left))
+
+    async def coverage(
+        self, model_preset: str | None = None, timeout: float = CONTROL_TIMEOUT_S, wait: float | None = None
+    ) -> M.CoverageReport:
+        """The tracker's coverage map (every model, or one); ``wait``: see `ask_tracker`."""
         req = M.CoverageRequest(model_preset=model_preset)
-        msg = await self.ask(
-            S.TRACKER_COVERAGE, req, timeout, f"no tracker answered on {S.TRACKER_COVERAGE}", Reason.NO_TRACKER
-        )
-        reply = M.decode(msg.data, M.CoverageReport | M.ControlError)
+        msg = await self.ask_tracker(S.TRACKER_COVERAGE, req, timeout, wait)
+        reply = self.reply(msg, M.CoverageReport | M.ControlError, f"the tracker on {S.TRACKER_COVERAGE}")
         if isinstance(reply, M.ControlError):
             raise RouteError(Reason.of(reply.code), reply.message)
         return reply
@@ -151,15 +196,19 @@ class NeuronClient:
         wire_dtype: M.WireDtype = "f32",
         encoding: M.Encoding = "raw",
         avoid: set[str] | frozenset[str] = frozenset(),
+        check_tokens: bool = False,
     ) -> Prepared:
         """A route (``route``, or one from the tracker avoiding the nodes in ``avoid``) and the
-        prompt's tokens: ``prompt_tokens`` as given, else ``prompt`` or ``messages`` tokenized by
-        the route's head (which applies the model's chat template to messages)."""
+        prompt's tokens: ``prompt_tokens`` as given (``check_tokens``: checked by the head against
+        its vocabulary first), else ``prompt`` or ``messages`` tokenized by the route's head (which
+        applies the model's chat template to messages)."""
         if route is None:
             route = await self.route(model_preset, wire_dtype, encoding, policy=policy, avoid=avoid)
         if prompt_tokens is None:
             tokenize = M.TokenizeRequest(text=prompt, messages=messages)
             prompt_tokens = (await self.control(route.hops[0].node_id, tokenize)).tokens
+        elif check_tokens:  # ids from an untrusted caller: the head checks them (bad_input)
+            await self.control(route.hops[0].node_id, M.TokenizeRequest(tokens=list(prompt_tokens)))
         if not prompt_tokens:
             raise RouteError(Reason.EMPTY_PROMPT, "the prompt has no tokens")
         return Prepared(route, list(prompt_tokens))
@@ -187,10 +236,8 @@ class NeuronClient:
         req = M.RouteRequest(
             request_id=uuid.uuid4().hex, model_preset=model_preset, wire_dtype=wire_dtype, encoding=encoding, **pins
         )
-        msg = await self.ask(
-            S.ROUTE_REQUEST, req, CONTROL_TIMEOUT_S, f"no tracker answered on {S.ROUTE_REQUEST}", Reason.NO_TRACKER
-        )
-        reply = M.decode(msg.data, M.RouteReply)
+        msg = await self.ask_tracker(S.ROUTE_REQUEST, req, CONTROL_TIMEOUT_S)
+        reply = self.reply(msg, M.RouteReply, f"the tracker on {S.ROUTE_REQUEST}")
         if isinstance(reply, M.RouteRejection):
             raise RouteError(Reason.NO_ROUTE, "no route: " + "; ".join(reply.reasons))
         return reply
@@ -238,8 +285,9 @@ class NeuronClient:
             prefill_retries=prefill_retries,
             repair=repair,
         )
-        async for event in run.events():
-            yield event
+        async with aclosing(run.events()) as events:  # a caller that stops early closes the session at once
+            async for event in events:
+                yield event
 
     async def complete(
         self,

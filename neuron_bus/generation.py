@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from neuron_bus.trust import sealing
 from workers.errors import Reason
 
 STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route is considered dead
+CATCH_UP_S = 1.0  # this long without an event, the session's stored tokens are read for missed ones
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
 MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
 RETRYABLE = {
@@ -89,6 +90,7 @@ class GenerationRun:
         self.lost: set[str] = set()
         self.rtt: dict[str, float] = {}  # node -> seconds: a ping's round trip, once the session opened there
         self.retries = self.repairs = 0
+        self.stream_seq: dict[str, int] = {}  # NEURON_TOKENS read up to here (catch-up reads)
 
     @property
     def live_route(self) -> M.RouteAssignment:
@@ -104,7 +106,7 @@ class GenerationRun:
 
     # ------------------------------------------------------------------ the whole run
 
-    async def events(self) -> AsyncIterator[M.TokenDelta | M.GenerationTelemetry]:
+    async def events(self) -> AsyncGenerator[M.TokenDelta | M.GenerationTelemetry, None]:
         nc = self.client.nc
         for kind, subject in session_events.SUBJECTS:
             self.subs.append(await nc.subscribe(subject(self.owner, self.session_id), cb=self._into_queue(kind)))
@@ -119,8 +121,6 @@ class GenerationRun:
                         need_start = False
                     async for event in self._route_events():
                         if isinstance(event, M.TokenDelta):
-                            if event.index < len(self.generated):
-                                continue  # a repaired route re-sent a token already delivered
                             self.generated.append(event.token_id)
                         yield event
                         if isinstance(event, M.TokenDelta) and event.finished:
@@ -293,29 +293,65 @@ class GenerationRun:
 
     async def _route_events(self):
         last_phase = "prefill"
+        quiet = 0.0
         while True:
             if self.sender.done() and self.sender.exception():
                 raise RouteError(
                     Reason.PREFILL_FAILED, f"sending the prompt failed: {self.sender.exception()}", phase="prefill"
                 )
             try:
-                kind, data = await asyncio.wait_for(self.queue.get(), STALL_TIMEOUT_S)
+                kind, data = await asyncio.wait_for(self.queue.get(), CATCH_UP_S)
             except TimeoutError:
-                raise RouteError(
-                    Reason.STALLED,
-                    f"no progress from route {self.live_route.route_id} for {STALL_TIMEOUT_S:.0f}s",
-                    phase=last_phase,
-                ) from None
+                quiet += CATCH_UP_S
+                if quiet >= STALL_TIMEOUT_S:
+                    raise RouteError(
+                        Reason.STALLED,
+                        f"no progress from route {self.live_route.route_id} for {STALL_TIMEOUT_S:.0f}s",
+                        phase=last_phase,
+                    ) from None
+                await self._catch_up()  # a quiet route, or a subscription that missed messages
+                continue
+            quiet = 0.0
+            if kind == "catch_up":
+                await self._catch_up()
+                continue
             if kind == "lost":
                 node, silent = data
                 raise RouteError(
                     Reason.NODE_LOST, f"node {node} sent no heartbeat for {silent:.1f}s", phase=last_phase, node_id=node
                 )
             event = session_events.read(kind, data, last_phase)
-            if event is None:
-                continue  # a rejected stray message; the session goes on
+            if event is None or (isinstance(event, M.TokenDelta) and not self._next_token(event)):
+                continue  # a rejected stray message, a token already delivered, or not this session's
             last_phase = event.phase if isinstance(event, M.GenerationTelemetry) else "decode"
             yield event
+
+    def _next_token(self, event: M.TokenDelta) -> bool:
+        """Is ``event`` the next token? One already delivered (a repaired route, or read again from
+        the stream) is not; one past a gap means a token was missed: the stream is read for it."""
+        if event.session_id != self.session_id or event.index < len(self.generated):
+            return False
+        if event.index > len(self.generated):
+            self.queue.put_nowait(("catch_up", None))
+            return False
+        return True
+
+    async def _catch_up(self) -> None:
+        """Queue the session's token deltas and errors that NEURON_TOKENS holds past what was read
+        from it so far: the core subscription misses whatever the route published while this
+        client's connection moved to another server (a server died); the stream kept it."""
+        for kind, subject in (("token", S.session_tokens), ("error", S.session_error)):
+            seq = self.stream_seq.get(kind, 1)
+            while True:
+                try:
+                    raw = await self.client.js.get_msg(
+                        S.STREAM_TOKENS, seq=seq, subject=subject(self.owner, self.session_id), next=True
+                    )
+                except Exception:  # nothing more (NotFound), or the bus is away: the next quiet spell retries
+                    break
+                seq = (raw.seq or seq) + 1
+                self.queue.put_nowait((kind, raw.data))
+            self.stream_seq[kind] = seq
 
     # ------------------------------------------------------------------ recovery, failure, close
 
@@ -389,15 +425,19 @@ class GenerationRun:
         self.client.admission.released()  # a generation waiting for a slot may try now
 
     async def _close(self) -> None:
+        """Free the session on every hop first (what matters), then drop the subscriptions."""
         self._cancel_tasks()
+        await self._close_sessions()
         await self._unsubscribe(self.subs)
         await self._unsubscribe(self.heartbeat_subs)
-        await self._close_sessions()
 
     @staticmethod
     async def _unsubscribe(subs: list) -> None:
         while subs:
-            await subs.pop().unsubscribe()
+            try:
+                await subs.pop().unsubscribe()
+            except Exception:  # the connection is closing or gone: nothing more to drop
+                pass
 
     async def _publish_progress(self) -> None:
         await self.client.js.publish(self.progress.subject, M.encode(self.progress.snapshot()))

@@ -13,6 +13,7 @@ Conventions
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import msgspec
@@ -33,6 +34,28 @@ FinishReason = Literal["stop", "length", "error"]
 
 class Struct(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     """Base for every message: keyword-only fields; unknown fields are ignored (forward compatible)."""
+
+
+_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def _require(ok: bool, what: str) -> None:
+    """A semantic check of a message (``__post_init__``): msgspec turns the ValueError into a
+    ValidationError when decoding, so such a message is malformed like any other."""
+    if not ok:
+        raise ValueError(what)
+
+
+def _check_node(node_id: str, layer_start: int, layer_end: int, n_layers: int | None = None) -> None:
+    _require(bool(_ID.match(node_id)), f"node_id {node_id[:40]!r} is not 1-128 of A-Z a-z 0-9 _ -")
+    _require(0 <= layer_start < layer_end, f"layer range [{layer_start}, {layer_end}) is empty or negative")
+    if n_layers is not None:
+        _require(layer_end <= n_layers, f"layer range [{layer_start}, {layer_end}) beyond the model's {n_layers}")
+
+
+def _non_negative(**values: float) -> None:
+    for name, v in values.items():
+        _require(v >= 0, f"{name} must not be negative")
 
 
 # --------------------------------------------------------------------------------------------
@@ -108,6 +131,21 @@ class CapabilityReport(BackendCapability, kw_only=True):
     # output head (artifacts/work.py). [] unknown
     active_parameters_per_layer: list[float] = []
 
+    def __post_init__(self) -> None:
+        _check_node(self.node_id, self.layer_start, self.layer_end, self.n_layers_total)
+        _require(self.hidden_size > 0, "hidden_size must be positive")
+        _require(
+            not self.active_parameters_per_layer
+            or len(self.active_parameters_per_layer) == self.layer_end - self.layer_start,
+            "active_parameters_per_layer must hold one figure per layer of the range",
+        )
+        _non_negative(
+            work=min(self.active_parameters_per_layer, default=0.0),
+            prefill_tokens_per_second=self.prefill_tokens_per_second,
+            decode_tokens_per_second=self.decode_tokens_per_second,
+            cache_bytes_per_token_estimate=self.cache_bytes_per_token_estimate,
+        )
+
 
 class NodeHeartbeat(Struct):
     """Periodic worker telemetry; the tracker expires nodes whose heartbeats stop."""
@@ -129,6 +167,20 @@ class NodeHeartbeat(Struct):
     route_failure_rate: float = 0.0
     cache_warmth: float = 0.0
     status: Literal["starting", "ready", "draining"] = "ready"
+
+    def __post_init__(self) -> None:
+        _check_node(self.node_id, self.layer_start, self.layer_end)
+        _non_negative(
+            seq=self.seq,
+            sessions_active=self.sessions_active,
+            cache_bytes=self.cache_bytes,
+            queue_depth=self.queue_depth,
+            prefill_tokens_per_second=self.prefill_tokens_per_second,
+            decode_tokens_per_second=self.decode_tokens_per_second,
+            memory_pressure=self.memory_pressure,
+            route_failure_rate=self.route_failure_rate,
+            neighbour_latency_ms=min(self.neighbour_latency_ms.values(), default=0.0),
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,6 +392,7 @@ class TokenizeRequest(Struct, tag_field="op", tag="tokenize"):
     text: str | None = None
     messages: list[dict[str, str]] | None = None
     add_generation_prompt: bool = True
+    tokens: list[int] | None = None  # a prompt given as token ids: checked against the head's vocabulary
 
 
 class TokenizeReply(Struct, tag_field="type", tag="tokens"):
@@ -479,6 +532,7 @@ class ValidationEvent(Struct):
     chunk_size: int = 256
     finish_reason: str | None = None
     tail_node_id: str = ""  # the node that published the event
+    owner: str = "public"  # the client that opened the session (its tokens: neuron.session.<owner>.<session>.*)
     activation_auth: Literal["none", "mac", "aead"] = "none"  # how the session's activations were protected
 
 
@@ -538,6 +592,54 @@ class LedgerEntry(Struct):
     decode_tokens: int = 0
     bytes_served: int = 0
     reward_weight: float = 0.0
+
+
+MeterStatus = Literal["finished", "unfinished", "repaired", "unmetered"]
+
+
+class MeteredWork(Struct):
+    """What the swarm observed one route member compute for a session (trust/meter.py).
+
+    ``prefill_tokens``/``decode_tokens`` are the positions whose results the route delivered;
+    ``max_*`` what an honest hop may have computed beyond them (a step in flight when the session
+    ended, a repair's replay): a self-report above them is flagged. ``exact`` false (a repaired
+    range): the member is paid its claim up to ``reward_weight``, not ``reward_weight`` itself.
+    """
+
+    node_id: str
+    hop_index: int
+    layer_start: int
+    layer_end: int
+    owned_layer_work: float  # from the model's layer work, not from the node's own report
+    prefill_tokens: int
+    decode_tokens: int
+    reward_weight: float
+    max_prefill_tokens: int
+    max_decode_tokens: int
+    exact: bool = True
+
+
+class SessionMeter(Struct):
+    """The metered record of one session, kept in KV ``neuron-meter`` (key: the session id).
+
+    Written once by a meter (``neuron-bus tracker`` runs one) from what the swarm observed: the
+    tracker's route assignment, the token deltas the tail delivered, the validation event, the
+    session's last telemetry and the model's layer work (the nodes' capability reports, per layer
+    the median). The ledger pays these figures; ledger entries (self-reports) are only checked
+    against them.
+    """
+
+    session_id: str
+    status: MeterStatus
+    route_id: str = ""
+    model_preset: str = ""
+    model_revision: str = ""
+    prompt_tokens: int = 0
+    delivered_tokens: int = 0
+    members: list[MeteredWork] = []
+    sources: list[str] = []  # the observations used: assignment, token-deltas, validation, telemetry, layer-work
+    notes: list[str] = []  # why a figure is bounded or missing; disagreements between observations
+    metered_at: float = 0.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -742,6 +844,8 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     AuditVerdict,
     NodeTrust,
     LedgerEntry,
+    MeteredWork,
+    SessionMeter,
     ArtifactManifest,
     CoverageRequest,
     CoverageReport,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
-from neuron_bus.errors import RouteError
+from neuron_bus.errors import MalformedMessage, RouteError
 from workers.errors import Reason
 
 SUBJECTS = (("token", S.session_tokens), ("error", S.session_error), ("telemetry", S.telemetry))  # (owner, id)
@@ -22,8 +22,16 @@ Event = M.TokenDelta | M.GenerationTelemetry
 
 
 def read(kind: str, data: bytes, last_phase: M.Phase) -> Event | None:
-    """The event in one message of a session's subjects (None: a rejected stray message, the
-    session goes on); raises RouteError when the session failed."""
+    """The event in one message of a session's subjects (None: a rejected stray message, or one
+    that is not a message of its kind at all — anyone may publish garbage there —, the session goes
+    on); raises RouteError when the session failed."""
+    try:
+        return _read(kind, data, last_phase)
+    except MalformedMessage:
+        return None
+
+
+def _read(kind: str, data: bytes, last_phase: M.Phase) -> Event | None:
     if kind == "error":
         err = M.decode(data, M.SessionError)
         if err.fatal:

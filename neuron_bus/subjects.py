@@ -116,6 +116,16 @@ def telemetry(owner: str, session_id: str) -> str:
     return f"{ROOT}.telemetry.{check_token(owner, 'owner')}.{check_token(session_id, 'session id')}"
 
 
+def telemetry_of_any_owner(session_id: str) -> str:
+    """A session's telemetry whoever owns it (a filter: the meter reads it from the stream)."""
+    return f"{ROOT}.telemetry.*.{check_token(session_id, 'session id')}"
+
+
+def owner_of_telemetry(subject: str) -> str:
+    """The owner named by a telemetry subject (``neuron.telemetry.<owner>.<session>``)."""
+    return subject.split(".")[2]
+
+
 def validation(session_id: str) -> str:
     return f"{ROOT}.validation.{check_token(session_id, 'session id')}"
 

@@ -26,6 +26,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, NotFoundError
 
 from neuron_bus import subjects as S
+from neuron_bus.trust.meter import KV_METER
 
 log = logging.getLogger("neuron_bus.nats")
 
@@ -161,6 +162,14 @@ def topology(replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) ->
             description="lease name -> holder; entries expire: a holder that stops renewing loses the lease",
             history=1,
             ttl=S.LEASE_TTL_S,
+            storage=StorageType.FILE,
+            replicas=r,
+        ),
+        KeyValueConfig(
+            bucket=KV_METER,
+            description="session_id -> SessionMeter (metered rewards: what the swarm observed each node compute)",
+            history=1,
+            ttl=None,
             storage=StorageType.FILE,
             replicas=r,
         ),

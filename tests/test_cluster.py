@@ -1,9 +1,12 @@
-"""A 3-server NATS cluster under a real swarm: replicated topology, and a generation that survives
-the death of the server leading its decode stream."""
+"""A 3-server NATS cluster under a real swarm: replicated topology (streams, buckets and the
+per-route consumers at R3), and a generation that survives the death of a server: stopped
+(SIGTERM), or SIGKILLed while it leads the route's consumers; no acknowledged token is lost."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 
 import pytest
 
@@ -11,6 +14,7 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.client import NeuronClient
 from neuron_bus.local_swarm import LocalSwarm
+from neuron_bus.trust.events import stored
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -47,3 +51,68 @@ def test_killing_one_server_mid_generation_the_generation_completes(swarm, refer
     tokens, killed = asyncio.run(scenario())
     assert killed is not None and killed.proc is None
     assert tokens == reference(ids, n)
+    restart(killed)
+
+
+def restart(srv) -> None:
+    """Bring a killed server back (same store): the next test has three servers again."""
+    srv.start(timeout=60)
+
+    async def caught_up() -> None:
+        async with await NeuronClient.connect(srv.url) as c:
+            for _ in range(120):
+                info = await c.js.stream_info(S.STREAM_DECODE)
+                if all(p.current for p in info.cluster.replicas or []) and len(info.cluster.replicas or []) == 2:
+                    return
+                await asyncio.sleep(0.5)
+
+    asyncio.run(caught_up())
+
+
+async def consumer_leaders(js, route: M.RouteAssignment) -> dict[str, tuple[str, int]]:
+    """Per route consumer (its filter subject): its leader and how many replicas follow it."""
+    out = {}
+    for stream in (S.STREAM_PREFILL, S.STREAM_DECODE):
+        for info in await js.consumers_info(stream):
+            subject = info.config.filter_subject or ""
+            if subject.startswith(f"neuron.act.{route.route_id}."):
+                out[subject] = (info.cluster.leader, len(info.cluster.replicas or []))
+    return out
+
+
+def test_sigkill_of_the_server_leading_the_route_consumers_mid_generation_loses_no_token(swarm, reference):
+    ids = reference.tokenizer.encode(PROMPT)
+    n = 48
+
+    gaps: list[float] = []
+
+    async def scenario():
+        tokens, killed, consumers = [], None, {}
+        async with await NeuronClient.connect(swarm.url) as c:
+            route = await c.route("smollm2-135m")
+            sampling = M.SamplingParams(max_tokens=n, ignore_eos=True)
+            last = time.monotonic()
+            async for ev in c.generate(prompt_tokens=ids, route=route, sampling=sampling):
+                if isinstance(ev, M.TokenDelta):
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+                    tokens.append(ev.token_id)
+                    session = ev.session_id
+                    if len(tokens) == 10:
+                        consumers = await consumer_leaders(c.js, route)
+                        ring = consumers[S.hop_input(route.route_id, 0, "decode")][0]  # the ring's entry
+                        killed = next(srv for srv in swarm.servers if srv.config.server_name == ring)
+                        killed.proc.send_signal(signal.SIGKILL)  # no shutdown, no leadership handed over
+                        await asyncio.to_thread(killed.proc.wait, 10)
+            # every token whose publish the stream acknowledged is still there, on the survivors
+            stored_deltas = [d async for d in stored(c.js, S.STREAM_TOKENS, S.session_tokens(session), M.TokenDelta)]
+        return tokens, killed, consumers, stored_deltas
+
+    tokens, killed, consumers, deltas = asyncio.run(scenario())
+    assert killed is not None and killed.proc.returncode == -signal.SIGKILL
+    assert consumers and all(followers == 2 for _, followers in consumers.values()), consumers  # R3 consumers
+    assert tokens == reference(ids, n)
+    assert sorted({d.index: d.token_id for d in deltas}.items()) == list(enumerate(tokens))
+    print(f"SIGKILL of {killed.config.server_name}: the longest wait for a token {max(gaps[10:]):.1f}s")
+    killed.proc = None
+    restart(killed)

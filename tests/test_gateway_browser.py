@@ -3,15 +3,11 @@ against a real swarm and gateway process."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from tests.test_gateway import start_swarm
 
 pytestmark = pytest.mark.timeout(600)
-
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 
 @pytest.fixture(scope="module")
@@ -19,37 +15,6 @@ def swarm(smollm2_path, tmp_path_factory):
     s = start_swarm(smollm2_path, tmp_path_factory.mktemp("browser-swarm"))
     yield s
     s.stop()
-
-
-@pytest.fixture
-def browser(tmp_path):
-    if not (CHROMIUM and CHROMEDRIVER):
-        pytest.fail(
-            "chromium and chromedriver are missing: scripts/setup installs them (apt-get install chromium chromium-driver)"
-        )
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        f"--user-data-dir={tmp_path / 'chromium'}",
-    ):
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def test_page_submits_a_prompt_and_shows_streamed_text_and_a_finished_state(swarm, browser):

@@ -25,19 +25,26 @@ from workers.errors import Reason
 _DEFAULTS = TrackerParams()
 
 
-async def _serve(url: str, params: TrackerParams) -> None:
+async def _serve(url: str, params: TrackerParams, metering: bool = True) -> None:
+    from neuron_bus.trust.metering import Meter
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     nc = await connect(url, name="neuron-bus-tracker", max_reconnect_attempts=-1)
     service = TrackerService(nc, params)
+    meter = Meter(nc) if metering else None  # metered rewards (trust/metering.py), beside the tracker
     try:
         await service.start()
         service.tune_gc()
-        typer.echo(f"tracker ready on {url} (heartbeat expiry {params.expiry:g}s)")
+        if meter:
+            await meter.start()
+        typer.echo(f"tracker ready on {url} (heartbeat expiry {params.expiry:g}s{', metering' if meter else ''})")
         await stop.wait()
     finally:
+        if meter:
+            await meter.stop()
         await service.stop()
         await nc.drain()
     typer.echo("tracker stopped")
@@ -65,6 +72,9 @@ def tracker(
     audit_rate: float = typer.Option(
         _DEFAULTS.audit_rate, min=0.0, max=1.0, help="Fraction of sessions sent to `neuron-bus auditor` for replay."
     ),
+    meter: bool = typer.Option(
+        True, "--meter/--no-meter", help="Meter every session's rewards from what the swarm observed (KV neuron-meter)."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every heartbeat problem too."),
 ) -> None:
     """Keep the node registry from heartbeats and answer route and coverage requests."""
@@ -81,7 +91,7 @@ def tracker(
         audit_rate=audit_rate,
     )
     try:
-        asyncio.run(_serve(nats, params))
+        asyncio.run(_serve(nats, params, meter))
     except TrackerError as exc:
         fail(str(exc))
     except (OSError, nats_errors.Error) as exc:
@@ -90,7 +100,7 @@ def tracker(
 
 async def fetch_coverage(url: str, model_preset: str | None, timeout: float) -> messages.CoverageReport:
     async with await NeuronClient.connect(url) as client:
-        return await client.coverage(model_preset, timeout)
+        return await client.coverage(model_preset, timeout, wait=0)
 
 
 @app.command()

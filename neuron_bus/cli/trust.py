@@ -71,43 +71,57 @@ def auditor(
 @app.command()
 def ledger(
     nats: str = NatsOption,
-    as_json: bool = typer.Option(False, "--json", help="Print per-node totals as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print per-node figures as JSON."),
 ) -> None:
-    """Reward weights per node: inference (owned layer work × tokens) and, separately, seeding."""
-    from neuron_bus.trust.ledger import read_ledger, totals
+    """Rewards per node: paid (metered from what the swarm observed) next to claimed, with flagged claims."""
+    from neuron_bus.trust.ledger import ledger as read
 
-    async def read():
+    async def run():
         nc = await connect(nats, name="neuron-bus-ledger", max_reconnect_attempts=1)
         try:
-            return await read_ledger(nc.jetstream())
+            return await read(nc.jetstream())
         finally:
             await nc.close()
 
     try:
-        rows = totals(asyncio.run(read()))
+        rows = asyncio.run(run())
     except (OSError, nats_errors.Error) as exc:
         fail(f"cannot read the ledger at {nats}: {exc}")
     if as_json:
         typer.echo(json.dumps({n: t.as_dict() for n, t in rows.items()}, indent=2))
         return
+    render_ledger(rows)
+
+
+def render_ledger(rows: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(
-        title="reward ledger (inference weight = owned layer work × (prefill + decode tokens))", title_justify="left"
+        title="reward ledger: paid = metered (owned layer work × positions the swarm observed); claimed = self-reported",
+        title_justify="left",
     )
-    for col in ("node", "inference weight", "sessions", "prefill tokens", "decode tokens", "seeding bytes"):
+    for col in ("node", "paid weight", "claimed weight", "sessions", "metered positions", "claimed positions"):
+        table.add_column(col)
+    for col in ("flagged", "pending", "seeding bytes"):
         table.add_column(col)
     for t in rows.values():
         table.add_row(
             t.node_id,
             f"{t.inference_weight:.1f}",
+            f"{t.claimed_weight:.1f}",
             str(t.sessions),
-            str(t.prefill_tokens),
-            str(t.decode_tokens),
+            f"{t.prefill_tokens} + {t.decode_tokens}",
+            f"{t.claimed_prefill_tokens} + {t.claimed_decode_tokens}",
+            f"[red]yes ({len(t.flags)})[/red]" if t.flagged else "",
+            str(len(t.pending_sessions) + len(t.unmetered_sessions)) or "",
             str(t.seeding_bytes),
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for t in rows.values():
+        for f in t.flags:
+            console.print(f"[red]flagged[/red] {t.node_id} session {f['session_id']}: {f['reason']}")
 
 
 credentials_app = typer.Typer(

@@ -38,22 +38,14 @@ def up(
     workdir: Path = typer.Option(None, help="Store and logs (default: a temporary directory)."),
     prompt: str = typer.Option(None, help="Once up, stream one generation of this prompt."),
     max_tokens: int = typer.Option(48, help="Tokens for --prompt."),
+    api_keys: Path = typer.Option(
+        None, "--api-keys", help="The gateway's API keys file (`neuron-bus api-key add`): /v1 and /ws need a key."
+    ),
 ) -> None:
     """Start nats-server, a tracker, N workers and the gateway on this machine; stop them all on Ctrl-C."""
     console = Console(stderr=True)
     try:
-        path = models.resolve(model)
-        work = workdir or Path(tempfile.mkdtemp(prefix="neuron-bus-up-"))
-        swarm = LocalSwarm(
-            path,
-            shards,
-            backend=backend,
-            threads=threads,
-            workdir=work,
-            nats_port=nats_port,
-            http_port=http_port,
-            gateway_port=port or None,
-        )
+        swarm = make_swarm(model, shards, backend, threads, nats_port, http_port, port, workdir, api_keys)
     except (NeuronBusError, ValueError) as exc:  # an unknown or bad model file, or no loadable split into --shards
         fail(str(exc))
     start(swarm, console)
@@ -78,6 +70,25 @@ def up(
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         console.print("stopping the swarm")
         swarm.stop()
+
+
+def make_swarm(model, shards, backend, threads, nats_port, http_port, port, workdir, api_keys) -> LocalSwarm:
+    """The swarm `up` starts; a bad keys file is refused (ValueError) before anything starts."""
+    if api_keys:
+        from neuron_bus.gateway.access import Access
+
+        Access(api_keys)
+    return LocalSwarm(
+        models.resolve(model),
+        shards,
+        backend=backend,
+        threads=threads,
+        workdir=workdir or Path(tempfile.mkdtemp(prefix="neuron-bus-up-")),
+        nats_port=nats_port,
+        http_port=http_port,
+        gateway_port=port or None,
+        gateway_extra=["--api-keys", str(Path(api_keys).resolve())] if api_keys else None,
+    )
 
 
 def start(swarm: LocalSwarm, console: Console) -> None:

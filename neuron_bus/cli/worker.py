@@ -185,7 +185,7 @@ def worker(
     max_decode_batch: int = typer.Option(8, help="Decode steps of different sessions run together."),
     slow_ms: float = typer.Option(0.0, hidden=True, help="Fault injection: delay every backend call."),
     fault: str | None = typer.Option(
-        None, hidden=True, help="Fault injection for audits: perturb (noise on every output)."
+        None, hidden=True, help="Fault injection: perturb (noisy outputs), inflate-ledger (claims twice its work)."
     ),
     dtype: str = typer.Option("float32", help="torch backend compute dtype: float32 | bfloat16."),
     n_ctx: int = typer.Option(DEFAULT_N_CTX, help="llama-cpp: positions per session (prompt + generated)."),

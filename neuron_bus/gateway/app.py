@@ -5,6 +5,11 @@ GET  /ws                    WebSocket: generate, attach, coverage (ws.py)
 GET  /v1/models             POST /v1/completions   POST /v1/chat/completions   (openai_api.py)
 GET  /metrics               Prometheus (own registry)
 GET  /healthz               NATS connected, tracker answering
+
+With ``--api-keys FILE`` every ``/v1/*`` and ``/ws`` request needs a valid key and is rate limited
+per key (access.py). A request body must arrive within ``Limits.body_timeout_s`` (408 otherwise:
+a client sending a byte a second holds nothing but its own connection), and a client that hangs
+up cancels its handler, which closes its generation on every hop.
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import asyncio
 import logging
 import signal
 from importlib import resources
+from pathlib import Path
 
 from aiohttp import web
 
 from neuron_bus.client import NeuronClient
 from neuron_bus.gateway import openai_api
+from neuron_bus.gateway.access import ACCESS, Access, require_key
 from neuron_bus.gateway.bus import Bus
 from neuron_bus.gateway.metrics import GatewayMetrics
 from neuron_bus.gateway.openai_api import BUS
@@ -70,9 +77,13 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
 
 
-def create_app(client: NeuronClient, limits: Limits = Limits(), chunk_size: int = 128) -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=limits.max_body_bytes)
-    app[BUS] = Bus(client, limits, GatewayMetrics(), chunk_size)
+def create_app(
+    client: NeuronClient, limits: Limits = Limits(), chunk_size: int = 128, api_keys: Path | None = None
+) -> web.Application:
+    app = web.Application(middlewares=[errors, require_key], client_max_size=limits.max_body_bytes)
+    counters = GatewayMetrics()
+    app[BUS] = Bus(client, limits, counters, chunk_size)
+    app[ACCESS] = Access(api_keys, counters)  # ValueError for a bad keys file
     app.router.add_get("/", page)
     app.router.add_get("/ws", websocket)
     app.router.add_get("/healthz", healthz)
@@ -84,11 +95,22 @@ def create_app(client: NeuronClient, limits: Limits = Limits(), chunk_size: int 
 
 
 async def serve(
-    nats_url: str, host: str, port: int, limits: Limits = Limits(), chunk_size: int = 128, on_ready=None
+    nats_url: str,
+    host: str,
+    port: int,
+    limits: Limits = Limits(),
+    chunk_size: int = 128,
+    on_ready=None,
+    api_keys: Path | None = None,
+    tracker_wait: float = 10.0,
 ) -> None:
     """Connect to the bus, serve HTTP until SIGINT/SIGTERM, then stop cleanly."""
-    client = await NeuronClient.connect(nats_url, queue_limit=limits.max_queue)
-    runner = web.AppRunner(create_app(client, limits, chunk_size), access_log=None)
+    if api_keys:
+        Access(api_keys)  # a bad keys file fails before anything connects
+    client = await NeuronClient.connect(nats_url, queue_limit=limits.max_queue, tracker_wait=tracker_wait)
+    app = create_app(client, limits, chunk_size, api_keys)
+    # handler_cancellation: a client that hangs up cancels its handler, and with it its generation
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

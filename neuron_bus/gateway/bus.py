@@ -130,19 +130,21 @@ class Bus:
 
     # ------------------------------------------------------------------ tracker
 
-    async def coverage(self, model_preset: str | None = None) -> M.CoverageReport:
+    async def coverage(self, model_preset: str | None = None, wait: float | None = None) -> M.CoverageReport:
+        """The tracker's coverage map; a request waits for a restarting tracker (the client's
+        ``tracker_wait``), a health check (``wait=0``) does not."""
         try:
-            return await self.client.coverage(model_preset, timeout=TRACKER_TIMEOUT_S)
+            return await self.client.coverage(model_preset, timeout=TRACKER_TIMEOUT_S, wait=wait)
         except RouteError as exc:
             raise route_api_error(exc) from None
 
-    async def models(self) -> list[str]:
-        return routable(await self.coverage())
+    async def models(self, wait: float | None = None) -> list[str]:
+        return routable(await self.coverage(wait=wait))
 
     async def health(self) -> dict:
         nats_ok = self.client.nc.is_connected
         try:
-            models = await self.models() if nats_ok else []
+            models = await self.models(wait=0) if nats_ok else []
             tracker_ok = True
         except ApiError:
             models, tracker_ok = [], False
@@ -179,11 +181,18 @@ class Bus:
         req.model = model
         try:
             p = await self.client.prepare(
-                model, prompt=req.prompt, messages=req.messages, prompt_tokens=req.prompt_tokens, policy=req.policy
+                model,
+                prompt=req.prompt,
+                messages=req.messages,
+                prompt_tokens=req.prompt_tokens,
+                policy=req.policy,
+                check_tokens=True,
             )
         except RouteError as exc:
             if exc.reason == Reason.EMPTY_PROMPT:
                 raise ApiError(422, "the prompt has no tokens", param="prompt", code="empty_prompt") from None
+            if exc.reason == Reason.BAD_INPUT:  # a token id the model does not have
+                raise ApiError(422, str(exc), param="prompt", code="invalid_token") from None
             raise route_api_error(exc) from None
         route, tokens = p.route, p.prompt_tokens
         if len(tokens) + req.sampling.max_tokens > self.limits.max_context:

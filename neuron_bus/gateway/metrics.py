@@ -28,5 +28,19 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
+        # access (access.py): labelled by key id, never by key
+        self.key_requests = Counter(
+            "neuron_gateway_key_requests", "Requests admitted per API key id.", ["key_id"], registry=self.registry
+        )
+        self.rate_limited = Counter(
+            "neuron_gateway_rate_limited", "Requests refused (429) per API key id.", ["key_id"], registry=self.registry
+        )
+        self.auth_failures = Counter(
+            "neuron_gateway_auth_failures",
+            "Requests refused (401): key missing or invalid.",
+            ["reason"],
+            registry=self.registry,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,7 +20,7 @@ from aiohttp import web
 from neuron_bus import messages as M
 from neuron_bus.client import RouteError
 from neuron_bus.gateway.bus import Bus, Prepared, Tally, route_api_error, route_error_body
-from neuron_bus.gateway.validation import GenRequest, chat_request, completion_request, parse_json
+from neuron_bus.gateway.validation import GenRequest, chat_request, completion_request, parse_json, read_body
 
 BUS = web.AppKey("bus", Bus)
 
@@ -42,7 +42,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     bus = request.app[BUS]
-    body = parse_json(await request.read())
+    body = parse_json(await read_body(request, bus.limits))
     req = (chat_request if chat else completion_request)(body, bus.limits)
     prepared = await bus.prepare(req)
     shape = Shape(prepared, chat)

@@ -1,13 +1,15 @@
 """Generation requests as the gateway accepts them (OpenAI bodies and WebSocket messages).
 
 Every check fails with an :class:`ApiError` carrying the HTTP status and an OpenAI-style error
-body; nothing here talks to NATS. Statuses: 400 malformed JSON or a missing field, 404 unknown
-model, 413 oversized body or prompt, 422 a field of the wrong type or out of range, 502 a route
+body; nothing here talks to NATS. Statuses: 400 malformed JSON or a missing field, 401 no valid
+API key (access.py), 404 unknown model, 408 a body not sent in time, 413 oversized body or prompt,
+422 a field of the wrong type or out of range, 429 a key's rate or the queue's limit, 502 a route
 that failed while generating, 503 no tracker or no route right now.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 
@@ -29,10 +31,12 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
         **extra,
     ):
         super().__init__(message)
         self.status = status
+        self.headers = dict(headers or {})
         self.retry_after = retry_after  # seconds, for 429 and 503: when to try again
         self.message = message
         self.type = type
@@ -46,8 +50,10 @@ class ApiError(Exception):
         }
 
     def response(self) -> web.Response:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        return web.json_response(self.body(), status=self.status, headers=headers)
+        headers = dict(self.headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        return web.json_response(self.body(), status=self.status, headers=headers or None)
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class Limits:
     max_body_bytes: int = 1 << 20
     max_queue: int = DEFAULT_QUEUE_LIMIT  # generations waiting for a free session slot (429 beyond; 0: 503 at once)
     chars_per_token: int = 16  # a prompt longer than max_context * this is refused before tokenizing
+    body_timeout_s: float = 30.0  # a request body must arrive within this (408: slow clients)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -78,11 +85,23 @@ class GenRequest:
     policy: str = "public"  # route policy: public | private (trusted nodes only) | paid-trusted
 
 
+async def read_body(request: web.Request, limits: Limits) -> bytes:
+    """The request's body, within the size limit (413) and ``body_timeout_s`` (408)."""
+    try:
+        return await asyncio.wait_for(request.read(), limits.body_timeout_s)
+    except TimeoutError:
+        raise ApiError(
+            408, f"the request body did not arrive within {limits.body_timeout_s:g}s", code="request_timeout"
+        ) from None
+
+
 def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # nesting deeper than the parser goes
+        raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     return body

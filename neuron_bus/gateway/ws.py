@@ -25,24 +25,30 @@ from aiohttp import WSMsgType, web
 
 from neuron_bus import messages as M
 from neuron_bus.client import RouteError
+from neuron_bus.gateway.access import ACCESS
 from neuron_bus.gateway.bus import Bus, Tally, routable, route_api_error, route_error_body
 from neuron_bus.gateway.openai_api import BUS
 from neuron_bus.gateway.validation import ApiError, ws_request
 
 
 async def websocket(request: web.Request) -> web.WebSocketResponse:
-    ws = web.WebSocketResponse(heartbeat=30)
+    # "bearer": a browser offers its API key as the subprotocols "bearer, <key>" (access.py); the
+    # server answers with "bearer" alone
+    ws = web.WebSocketResponse(heartbeat=30, protocols=("bearer",))
     await ws.prepare(request)
-    await Socket(ws, request.app[BUS]).serve()
+    access = request.app[ACCESS]
+    key = request.get("api_key")
+    await Socket(ws, request.app[BUS], (lambda: access.admit(key)) if key is not None else None).serve()
     return ws
 
 
 class Socket:
     """One WebSocket client: at most one generation (or attachment) at a time."""
 
-    def __init__(self, ws: web.WebSocketResponse, bus: Bus):
+    def __init__(self, ws: web.WebSocketResponse, bus: Bus, admit=None):
         self.ws = ws
         self.bus = bus
+        self.admit = admit  # with API keys: counts a generate/attach against the key's rate (429 past it)
 
     async def serve(self) -> None:
         task: asyncio.Task | None = None
@@ -63,6 +69,12 @@ class Socket:
                         await self.error(ApiError(409, "a generation is already running on this socket", code="busy"))
                         continue
                     self.bus.metrics.requests.labels(f"/ws {kind}").inc()
+                    try:
+                        if self.admit:
+                            self.admit()
+                    except ApiError as exc:
+                        await self.error(exc, kind)
+                        continue
                     run = self.generate(data) if kind == "generate" else self.attach(data)
                     task = asyncio.create_task(self.guard(run, kind))
                 else:

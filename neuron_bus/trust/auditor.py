@@ -1,7 +1,9 @@
 """The auditor: replays the sessions the tracker sampled and flags nodes whose replays disagree.
 
 ``neuron-bus auditor`` runs it. A durable pull consumer (``neuron-auditor``) takes
-`AuditRequest` messages from ``neuron.audit.request``; each event is replayed on the
+`AuditRequest` messages from ``neuron.audit.request``; an event whose route the tracker never
+assigned (or whose members are not the assignment's) is unverifiable and pins nothing on anyone;
+every other event is replayed on the
 single-process reference (replay.py, llama.cpp loaded once per model and kept), the verdict is
 published on ``neuron.audit.verdict.<session>`` (stream NEURON_AUDIT) and the route members'
 records (`NodeTrust`: agreements, disagreements, pinned disagreements, flagged) are written to KV
@@ -21,12 +23,13 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from neuron_bus import messages as M
 from neuron_bus import models
 from neuron_bus import subjects as S
-from neuron_bus.errors import MalformedMessage, NeuronBusError
+from neuron_bus.errors import NeuronBusError
 from neuron_bus.execution import Backend
 from neuron_bus.flow import publish
 from neuron_bus.trust.attribution import DEFAULT_THRESHOLD, Attribution
-from neuron_bus.trust.events import stored, validation_event
+from neuron_bus.trust.events import route_assignment, stored, unassigned, validation_event
 from neuron_bus.trust.replay import make_verdict, reference_backend, replay_single
+from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.auditor")
 
@@ -77,7 +80,7 @@ class Auditor:
             for msg in msgs:
                 try:
                     await self.handle(M.decode(msg.data, M.AuditRequest))
-                except MalformedMessage as exc:
+                except NeuronBusError as exc:  # malformed, or no such session: nothing to replay
                     log.warning("ignored an audit request: %s", exc)
                 except Exception:
                     log.exception("replay failed")
@@ -93,11 +96,18 @@ class Auditor:
 
     async def handle(self, req: M.AuditRequest) -> M.AuditVerdict:
         event = await validation_event(self.js, req.session_id)
+        # an event for a route the tracker never assigned (forged, or naming other nodes) pins nothing
+        why = unassigned(event, await route_assignment(self.js, event.route_id))
         try:
+            if why:
+                raise NeuronBusError(Reason.UNASSIGNED, why)
             path, backend = self._backend(event)
             verdict = await asyncio.to_thread(replay_single, event, Path(path), self.threads, backend)
         except (NeuronBusError, LookupError, OSError) as exc:
-            verdict = make_verdict(event, "single", "unverifiable", f"no reference: {exc}")
+            verdict = make_verdict(event, "single", "unverifiable", f"{exc}" if why else f"no reference: {exc}")
+        except (ValueError, TypeError, ArithmeticError) as exc:  # an event no reference can run (bad fields)
+            log.warning("session %s cannot be replayed: %s: %s", event.session_id, type(exc).__name__, exc)
+            verdict = make_verdict(event, "single", "unverifiable", f"cannot be replayed: {type(exc).__name__}: {exc}")
         changed = self.attribution.add(verdict)
         verdict.attributed_to = self.attribution.pinned_on(event.session_id)
         await publish(self.js, S.audit_verdict(event.session_id), M.encode(verdict))

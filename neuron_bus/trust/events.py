@@ -1,4 +1,5 @@
-"""Reading stored messages back: validation events, verdicts, ledger entries (JetStream direct reads)."""
+"""Reading stored messages back: validation events, verdicts, ledger entries, route assignments
+(JetStream direct reads)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,21 @@ from nats.js.errors import NotFoundError
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
-from neuron_bus.errors import NeuronBusError
+from neuron_bus.errors import MalformedMessage, NeuronBusError
 from workers.errors import Reason
 
 
-async def stored(js: JetStreamContext, stream: str, subject: str, kind) -> AsyncIterator:
-    """Every message of ``stream`` on ``subject`` (wildcards allowed), oldest first, decoded as ``kind``."""
-    async for _subject, msg in stored_on(js, stream, subject, kind):
+async def stored(js: JetStreamContext, stream: str, subject: str, kind, skip_malformed: bool = False) -> AsyncIterator:
+    """Every message of ``stream`` on ``subject`` (wildcards allowed), oldest first, decoded as
+    ``kind``; ``skip_malformed``: one that is not a ``kind`` is passed over (anyone who may publish
+    there may publish garbage) instead of raising MalformedMessage."""
+    async for _subject, msg in stored_on(js, stream, subject, kind, skip_malformed):
         yield msg
 
 
-async def stored_on(js: JetStreamContext, stream: str, subject: str, kind) -> AsyncIterator:
+async def stored_on(
+    js: JetStreamContext, stream: str, subject: str, kind, skip_malformed: bool = False
+) -> AsyncIterator:
     """Like `stored`, each message with the subject it was published on."""
     seq = 1
     while True:
@@ -27,8 +32,14 @@ async def stored_on(js: JetStreamContext, stream: str, subject: str, kind) -> As
             raw = await js.get_msg(stream, seq=seq, subject=subject, next=True)
         except NotFoundError:
             return
-        yield raw.subject, M.decode(raw.data, kind)
         seq = (raw.seq or seq) + 1
+        try:
+            decoded = M.decode(raw.data, kind)
+        except MalformedMessage:
+            if skip_malformed:
+                continue
+            raise
+        yield raw.subject, decoded
 
 
 async def validation_event(js: JetStreamContext, key: str) -> M.ValidationEvent:
@@ -45,3 +56,34 @@ async def validation_event(js: JetStreamContext, key: str) -> M.ValidationEvent:
     raise NeuronBusError(
         Reason.NOT_FOUND, f"no validation event for session or event id {key!r} in {S.STREAM_VALIDATION}"
     )
+
+
+async def route_assignment(js: JetStreamContext, route_id: str) -> M.RouteAssignment | None:
+    """The tracker's assignment of ``route_id`` (KV neuron-routes, else NEURON_ROUTES), or None."""
+    try:
+        S.check_token(route_id, "route id")
+    except ValueError:
+        return None
+    try:
+        kv = await js.key_value(S.KV_ROUTES)
+        return M.decode((await kv.get(route_id)).value, M.RouteAssignment)
+    except (NotFoundError, MalformedMessage):  # KeyNotFoundError is a NotFoundError
+        pass
+    try:
+        return M.decode((await js.get_last_msg(S.STREAM_ROUTES, S.route_assign(route_id))).data, M.RouteAssignment)
+    except (NotFoundError, MalformedMessage):
+        return None
+
+
+def unassigned(event: M.ValidationEvent, assignment: M.RouteAssignment | None) -> str | None:
+    """Why an event's route is not one the tracker assigned (None: it is). A repaired route
+    (``<route>-r<n>``) keeps the assignment's ranges; only its nodes may differ."""
+    base = event.route_id.split("-r")[0]
+    if assignment is None or assignment.route_id != base:
+        return f"route {event.route_id} was not assigned by the tracker"
+    got = [(m.layer_start, m.layer_end) for m in event.route]
+    if got != [(h.layer_start, h.layer_end) for h in assignment.hops]:
+        return f"the event's route members {got} are not the assignment's ranges"
+    if event.route_id == base and [m.node_id for m in event.route] != [h.node_id for h in assignment.hops]:
+        return "the event's route members are not the nodes the tracker assigned"
+    return None

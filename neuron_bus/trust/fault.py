@@ -1,15 +1,19 @@
-"""Deliberate faults, for testing that audits catch them (``neuron-bus worker --fault perturb``).
+"""Deliberate faults, for testing that audits and the meter catch them (``neuron-bus worker --fault F``).
 
 ``perturb`` adds Gaussian noise of half the output's own standard deviation to every activation
 (or, at the tail, every logit) a node emits: the node stays fast and healthy-looking while its
 route's output drifts away from the model's.
+
+``inflate-ledger`` computes honestly but reports twice the positions it computed in its ledger
+entries (the meter pays it what the swarm observed and flags the claim: trust/meter.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-FAULTS = ("perturb",)
+FAULTS = ("perturb", "inflate-ledger")
+INFLATE = 2  # inflate-ledger: the factor on the positions a node claims
 
 
 def check(fault: str | None) -> str | None:

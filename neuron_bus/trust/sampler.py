@@ -4,8 +4,9 @@
   decided by a hash of the session id (so several trackers sample the same sessions); a sampled
   session becomes an `AuditRequest` on ``neuron.audit.request`` (stream NEURON_AUDIT), which an
   auditor (``neuron-bus auditor``) replays.
-- KV ``neuron-flags`` is read every ``poll`` seconds; `mark` sets ``flagged`` on the node views
-  the planner sees, and the planner never routes a flagged node.
+- KV ``neuron-flags`` is mirrored by one watcher (kvmirror.py: no consumer per read) and looked at
+  every ``poll`` seconds; `mark` sets ``flagged`` on the node views the planner sees, and the
+  planner never routes a flagged node.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage, NeuronBusError
 from neuron_bus.flow import publish
+from neuron_bus.kvmirror import KVMirror
 
 log = logging.getLogger("neuron_bus.tracker.audit")
 
@@ -46,10 +48,12 @@ class TrackerTrust:
         self.flagged: dict[str, str] = {}  # node id -> reason
         self._sub: Subscription | None = None
         self._task: asyncio.Task | None = None
+        self._flags = KVMirror(self.js, S.KV_FLAGS, M.NodeTrust)
 
     async def start(self) -> None:
         if self.audit_rate > 0:
             self._sub = await self.nc.subscribe(S.VALIDATION_ALL, cb=self._on_event)
+        await self._flags.start()
         await self._read_flags()
         self._task = asyncio.create_task(self._flag_loop())
 
@@ -57,6 +61,7 @@ class TrackerTrust:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await self._flags.stop()
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
@@ -84,23 +89,12 @@ class TrackerTrust:
             log.warning("could not request a replay of %s: %s", event.session_id, exc)
 
     async def _read_flags(self) -> None:
-        try:
-            kv = await self.js.key_value(S.KV_FLAGS)
-            keys = await kv.keys()
-        except jserr.NoKeysError:
-            self.flagged = {}
-            return
-        except (jserr.Error, nats.errors.Error) as exc:
-            log.debug("flags not readable: %s", exc)
-            return
-        flagged = {}
-        for key in keys:
-            try:
-                rec = M.decode((await kv.get(key)).value, M.NodeTrust)
-            except (jserr.KeyNotFoundError, MalformedMessage):
-                continue
-            if rec.flagged:
-                flagged[rec.node_id] = rec.reason
+        """The flagged nodes, from the mirror of KV neuron-flags."""
+        flagged = {
+            rec.node_id: rec.reason
+            for rec in self._flags.values.values()
+            if isinstance(rec, M.NodeTrust) and rec.flagged
+        }
         for node in flagged.keys() - self.flagged.keys():
             log.warning("node %s is flagged by audits and excluded from routes: %s", node, flagged[node])
         self.flagged = flagged

@@ -3,7 +3,8 @@
 - Every hop counts the positions it actually computed per session and phase (`worked`); when the
   session closes it publishes a `LedgerEntry` of kind ``inference`` on ``neuron.ledger.<node>``
   with its owned layer work (artifacts/work.py) and ``reward_weight = owned_layer_work ×
-  prefill_tokens + owned_layer_work × decode_tokens``.
+  prefill_tokens + owned_layer_work × decode_tokens``. That is the node's claim: what it is paid
+  is metered from what the swarm observed (trust/meter.py), and a claim above it is flagged.
 - The tail keeps the top logits of the first `LOGIT_SAMPLES` generated tokens (`observe`) and,
   when the generation finishes, publishes the session's `ValidationEvent` on
   ``neuron.validation.<session>`` (stream NEURON_VALIDATION): model and revision, route members
@@ -25,7 +26,8 @@ import numpy as np
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.flow import publish
-from neuron_bus.trust.ledger import inference_weight
+from neuron_bus.trust import fault as faults
+from neuron_bus.trust.meter import inference_weight
 
 log = logging.getLogger("neuron_bus.worker.trust")
 
@@ -38,8 +40,9 @@ def prompt_sha256(tokens: list[int]) -> str:
 
 
 class AuditTrail:
-    def __init__(self, js, report: M.CapabilityReport, owned_layer_work: float = 0.0):
+    def __init__(self, js, report: M.CapabilityReport, owned_layer_work: float = 0.0, fault: str | None = None):
         self.js = js
+        self.inflate = faults.INFLATE if fault == "inflate-ledger" else 1  # a deliberate fault (trust/fault.py)
         self.report = report
         self.owned_layer_work = owned_layer_work
         self.failures = 0
@@ -89,6 +92,7 @@ class AuditTrail:
             prompt_sha256=prompt_sha256(prompt),
             prompt_tokens=prompt,
             output_tokens=list(generated),
+            owner=open_.owner,
             sampling=open_.sampling,
             policy=route.policy,
             created_at=time.time(),
@@ -109,6 +113,7 @@ class AuditTrail:
         if not w or not (w["prefill"] or w["decode"]):
             return
         hop = open_.route.hops[open_.hop_index]
+        prefill, decode = w["prefill"] * self.inflate, w["decode"] * self.inflate
         entry = M.LedgerEntry(
             entry_id=uuid.uuid4().hex,
             node_id=self.report.node_id,
@@ -118,8 +123,8 @@ class AuditTrail:
             layer_start=hop.layer_start,
             layer_end=hop.layer_end,
             owned_layer_work=self.owned_layer_work,
-            prefill_tokens=w["prefill"],
-            decode_tokens=w["decode"],
-            reward_weight=inference_weight(self.owned_layer_work, w["prefill"], w["decode"]),
+            prefill_tokens=prefill,
+            decode_tokens=decode,
+            reward_weight=inference_weight(self.owned_layer_work, prefill, decode),
         )
         await self._publish(S.ledger(self.report.node_id), entry)

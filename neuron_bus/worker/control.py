@@ -1,9 +1,9 @@
 """A worker's control plane: the requests on ``neuron.node.<id>.ctl``, one handler each.
 
 Ping (latency probes), SessionsQuery (`neuron-bus sessions`), TokenizeRequest (the head tokenizes
-prompts and applies the chat template), SessionOpen / SessionResume / SessionClose (lifecycle.py;
-closing and moving a session need its client's proof, engine.py), MoveRange (the tracker moves a
-self-placed node: mover.py).
+prompts and applies the chat template, or checks a prompt's token ids against its vocabulary), SessionOpen / SessionResume / SessionClose
+(lifecycle.py; closing and moving a session need its client's proof, engine.py), MoveRange (the
+tracker moves a self-placed node: mover.py).
 Every failure is an explicit `ControlError` reply naming its reason, never silence.
 """
 
@@ -14,7 +14,7 @@ import logging
 from nats.aio.msg import Msg
 
 from neuron_bus import messages as M
-from neuron_bus.errors import MalformedMessage
+from neuron_bus.errors import MalformedMessage, NeuronBusError
 from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.worker")
@@ -59,6 +59,12 @@ class ControlPlane:
         raise ValueError(f"unsupported control request {type(req).__name__}")
 
     async def tokenize(self, req: M.TokenizeRequest) -> M.TokenizeReply:
+        if req.tokens is not None:  # already token ids: are they this model's?
+            n = getattr(self.tokenizer, "vocab_size", None)
+            bad = [t for t in req.tokens if t < 0 or (n is not None and t >= n)]
+            if bad:
+                raise NeuronBusError(Reason.BAD_INPUT, f"token id {bad[0]} is outside the vocabulary of {n} tokens")
+            return M.TokenizeReply(tokens=list(req.tokens), text="")
         if req.messages is not None:
             text, tokens = await self.runner.call(self.tokenizer.encode_chat, req.messages, req.add_generation_prompt)
         elif req.text is not None:

@@ -228,7 +228,10 @@ class HopEngine:
             elif isinstance(result, Exception):
                 refused = getattr(result, "reason", None) == Reason.BAD_INPUT  # refused before any model work
                 reason = Reason.BAD_INPUT if refused else Reason.BACKEND_ERROR
-                outcomes.append(Failed(st, reason, str(result), fatal=not refused))
+                # a prompt chunk the head refuses (a token the model does not have) cannot be sent again
+                # right: the session ends, explicitly, instead of waiting for it
+                prompt = s.hop_index == 0 and st.header.phase == "prefill"
+                outcomes.append(Failed(st, reason, str(result), fatal=not refused or prompt))
             else:
                 before = s.position
                 s.position += st.positions

@@ -58,7 +58,7 @@ class WorkerOptions:
     snapshot_every: int = 0  # write a KV snapshot whenever a decoding session crosses a multiple of this
     snapshot_url: str | None = None  # the cache server holding neuron-snapshots (None: the bus)
     owned_layer_work: float = 0.0  # millions of weights multiplied per token (artifacts/work.py): the ledger's unit
-    fault: str | None = None  # fault injection for audit tests: "perturb" (trust/fault.py)
+    fault: str | None = None  # fault injection for trust tests: "perturb", "inflate-ledger" (trust/fault.py)
     require_keys: bool | None = False  # refuse sessions without link keys (`worker --session-keys`; None: auto)
 
     def engine(self) -> EngineOptions:
@@ -79,7 +79,7 @@ class WorkerService:
         self.report, self.node_id = report, report.node_id
         self.opts = options or WorkerOptions()
         self.metrics = WorkerMetrics(self.node_id)
-        self.trail = AuditTrail(self.js, report, self.opts.owned_layer_work)
+        self.trail = AuditTrail(self.js, report, self.opts.owned_layer_work, self.opts.fault)
         self.engine = HopEngine(self.node_id, report.cache_abi, backend, tokenizer, self.trail, self.opts.engine())
         self.runner = BackendRunner(self.node_id, self.metrics)
         self.queues: dict[str, deque[Incoming]] = {"decode": deque(), "prefill": deque()}

@@ -8,8 +8,9 @@ with a :class:`~neuron_bus.messages.SnapshotMeta` as the object's description.
 
 Writes never block decode: the export is one quick backend call, the upload runs in the
 background with a timeout, at most one per session at a time; any failure (cache server down,
-timeout, busy) is counted by reason and forgotten. The newest two snapshots of a session are
-kept; closing the session deletes them.
+its disk full, timeout, busy) is counted by reason and forgotten. The newest two snapshots of a
+session are kept; closing the session deletes them (an upload still in flight finishes or fails,
+counted, within its timeout, and what it wrote is deleted).
 
 Restoring (the replacement node of a repaired route) picks the newest snapshot of the session at
 or before a position whose metadata matches this node's model revision, backend, cache ABI and
@@ -63,6 +64,7 @@ class SnapshotStore:
         self._ready = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._inflight: dict[str, asyncio.Task] = {}
+        self._closed: set[str] = set()  # sessions closed while an upload of theirs is in flight
         self._kept: dict[str, deque[str]] = {}
         self._background = Background()
         self.written = 0
@@ -144,7 +146,11 @@ class SnapshotStore:
         task = asyncio.create_task(self._upload(meta, blob))
         sid = s.session_id
         self._inflight[sid] = task
-        task.add_done_callback(lambda _t: self._inflight.pop(sid, None))
+        task.add_done_callback(lambda _t: self._uploaded(sid))
+
+    def _uploaded(self, session_id: str) -> None:
+        self._inflight.pop(session_id, None)
+        self._closed.discard(session_id)
 
     async def _upload(self, meta: M.SnapshotMeta, blob: bytes) -> None:
         name = object_name(meta)
@@ -164,16 +170,20 @@ class SnapshotStore:
             return
         self.written += 1
         self.metrics.snapshots_written.inc()
+        if meta.session_id in self._closed:  # the session closed meanwhile: nothing will restore it
+            self._background.spawn(self._delete(name))
+            return
         kept = self._kept.setdefault(meta.session_id, deque())
         kept.append(name)
         while len(kept) > KEEP:
             self._background.spawn(self._delete(kept.popleft()))
 
     def forget(self, session_id: str) -> None:
-        """The session closed: delete its snapshots (in the background, softly)."""
-        task = self._inflight.pop(session_id, None)
-        if task:
-            task.cancel()
+        """The session closed: delete its snapshots (in the background, softly). An upload in
+        flight is left to finish within its timeout, so a store that fails it is counted; what it
+        wrote is deleted then."""
+        if session_id in self._inflight:
+            self._closed.add(session_id)
         for name in self._kept.pop(session_id, ()):
             self._background.spawn(self._delete(name))
 
