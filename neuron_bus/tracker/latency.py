@@ -5,7 +5,10 @@ least of a node's last few (registry.RTT_SAMPLES) and pings the nodes whose figu
 settled first. A round (every ``ping_interval``) pings at most ``ping_budget`` nodes: half the
 budget for route candidates (the lightest replicas of every range: the nodes routes are about to
 use), half for the rest of the swarm, each half ordered by (answers so far, capped at
-``settled``; then the longest since pinged). A share one side does not use goes to the other.
+``settled``; then the longest since pinged), the rest of the swarm with the promising nodes first
+among equals (the fastest replicas of their range, whatever their round trip: the nodes that
+would be candidates if their round trip turned out short). A share one side does not use goes
+to the other.
 So a node that could win routes is measured within a round of joining and its figure settles
 within a few, and the rest of a large swarm is measured, then re-measured, a budget at a time.
 
@@ -30,13 +33,19 @@ class PingSampler:
     def _rank(self, node_id: str) -> tuple[int, float]:
         return (min(self.answers.get(node_id, 0), self.settled), self.pinged.get(node_id, float("-inf")))
 
-    def choose(self, live: Iterable[str], candidates: Iterable[str]) -> list[str]:
+    def choose(self, live: Iterable[str], candidates: Iterable[str], promising: Iterable[str] = ()) -> list[str]:
         """The nodes to ping this round (see the module docstring)."""
         live = set(live)
         cands = {c for c in candidates if c in live}
+        hopeful = {p for p in promising if p in live} - cands
         b = self.budget
+
+        def rank(node_id: str) -> tuple[int, bool, float]:
+            answers, at = self._rank(node_id)
+            return (answers, node_id not in hopeful, at)
+
         top_c = heapq.nsmallest(b, sorted(cands), key=self._rank)  # sorted: ties break on ids
-        top_o = heapq.nsmallest(b, sorted(live - cands), key=self._rank)
+        top_o = heapq.nsmallest(b, sorted(live - cands), key=rank)
         half = b // 2
         take_c = max(half, b - len(top_o))
         chosen = top_c[:take_c]

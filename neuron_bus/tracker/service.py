@@ -80,7 +80,9 @@ FULL_GC_INTERVAL = 120.0  # seconds between full collections once tune_gc ran
 COVERAGE_CHUNK = 2000  # node entries set between two turns of the event loop
 PLACEMENT_LEASE = "placement"
 YIELD_EVERY = 32  # heartbeats handled in a row before other callbacks get a turn
-PING_CONCURRENCY = 8  # pings in flight at once: answers queueing here would inflate every round trip
+PING_CONCURRENCY = 8
+PROMISING = 8  # the fastest replicas of each range, pinged first among the rest (latency.py)
+PROMISING_EVERY = 10  # rounds between two readings of them (O(n))  # pings in flight at once: answers queueing here would inflate every round trip
 
 
 class TrackerError(NeuronBusError):
@@ -269,6 +271,7 @@ class TrackerService:
         the server: the tracker's own round trip to it (a flush, the least of the last few) is
         taken off, as the seams between two nodes never cross the tracker."""
         own: deque[float] = deque(maxlen=16)
+        rounds, promising = 0, set()
         while True:
             now = _mono()
             try:
@@ -278,8 +281,12 @@ class TrackerService:
                 pass
             base = min(own, default=0.0)
             now = _mono()
+            index = self.registry.index
+            if rounds % PROMISING_EVERY == 0:
+                promising = index.candidates(PROMISING, seams=False)
+            rounds += 1
             chosen = self.pings.choose(
-                self.registry.live_ids(now), self.registry.index.candidates(self.params.route_candidates)
+                self.registry.live_ids(now), index.candidates(self.params.route_candidates), promising
             )
             self.pings.pinged_at(chosen, now)
             for node_id, rtt in (await ping_many(self.nc, chosen, concurrency=PING_CONCURRENCY)).items():
