@@ -70,11 +70,12 @@ class Options:
 
 def warmup_seconds(opts: Options) -> float:
     """A tracker that has been running a while has measured every node's round trip a few times:
-    wait for its pings (TrackerParams.ping_budget a round) to go round the swarm twice, at least 8 s."""
+    wait for its pings (half of TrackerParams.ping_budget a round for the swarm at large) to go
+    round the swarm three times, at least 8 s (10,000 nodes: 150 s)."""
     if opts.warmup is not None:
         return max(opts.warmup, opts.expiry + 1)
     p = TrackerParams()
-    return max(8.0, opts.expiry + 1, 2.2 * opts.nodes / p.ping_budget * p.ping_interval + 3)
+    return max(8.0, opts.expiry + 1, 3 * opts.nodes / (p.ping_budget / 2) * p.ping_interval)
 
 
 def percentiles(values: list[float], scale: float = 1000.0) -> dict:

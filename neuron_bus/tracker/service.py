@@ -81,6 +81,7 @@ COVERAGE_CHUNK = 2000  # node entries set between two turns of the event loop
 PLACEMENT_LEASE = "placement"
 YIELD_EVERY = 32  # heartbeats handled in a row before other callbacks get a turn
 PING_CONCURRENCY = 8
+PING_STALL = 0.005  # a round trip during which this loop stalled longer is not a measurement
 PROMISING = 8  # the fastest replicas of each range, pinged first among the rest (latency.py)
 PROMISING_EVERY = 10  # rounds between two readings of them (O(n))  # pings in flight at once: answers queueing here would inflate every round trip
 
@@ -289,7 +290,8 @@ class TrackerService:
                 self.registry.live_ids(now), index.candidates(self.params.route_candidates), promising
             )
             self.pings.pinged_at(chosen, now)
-            for node_id, rtt in (await ping_many(self.nc, chosen, concurrency=PING_CONCURRENCY)).items():
+            rtts = await ping_many(self.nc, chosen, concurrency=PING_CONCURRENCY, stall=PING_STALL)
+            for node_id, rtt in rtts.items():
                 if rtt is not None:  # no answer: the last measurement stands
                     self.registry.record_rtt(node_id, max(rtt - base, 0.0), _mono())
                     self.pings.answered(node_id)
