@@ -40,6 +40,7 @@ class _Entry:
     rtts: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES))
     assigned: deque[float] = field(default_factory=deque)
     was_alive: bool = False
+    opened: int = 0  # how many more sessions the last heartbeat reported than the one before
     filed: NodeHeartbeat | None = None  # the heartbeat the route index last saw
     view: NodeView | None = None  # the view filed then
     tracked: TrackedNode | None = None  # its coverage-map entry (built when asked for)
@@ -77,6 +78,8 @@ class Registry:
         if entry is None:
             entry = self._nodes[node_id] = _Entry()
         same = entry.was_alive and not entry.assigned and _same_state(entry.filed, hb)
+        previous = entry.heartbeat
+        entry.opened = max(0, hb.sessions_active - previous.sessions_active) if previous is not None else 0
         entry.heartbeat = hb
         entry.last_seen = now
         if not entry.was_alive:
@@ -251,15 +254,18 @@ class Registry:
         )
 
     def _pending_assignments(self, entry: _Entry, now: float) -> int:
-        """Recent assignments no heartbeat could have reported yet (see TrackerParams)."""
+        """Recent assignments no heartbeat has reported yet (see TrackerParams): those made after
+        the last heartbeat's grace started, less the ones its rise in sessions already shows
+        (made before it arrived, at most as many as it reported more sessions than the previous)."""
         if not entry.assigned:
             return 0
-        reported_before = entry.last_seen - self.params.assignment_grace if entry.last_seen is not None else None
-        return sum(
-            1
-            for t in entry.assigned
-            if now - t <= self.params.assignment_window and (reported_before is None or t > reported_before)
-        )
+        p = self.params
+        last = entry.last_seen
+        if last is None:
+            return sum(1 for t in entry.assigned if now - t <= p.assignment_window)
+        recent = [t for t in entry.assigned if now - t <= p.assignment_window and t > last - p.assignment_grace]
+        shown = min(sum(1 for t in recent if t <= last), entry.opened)
+        return len(recent) - shown
 
 
 TPS_NOISE = 0.01  # throughput changes within 1% (neighbour latencies: 10%) leave a node where it is in the index
