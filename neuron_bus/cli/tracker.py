@@ -33,7 +33,7 @@ async def _serve(url: str, params: TrackerParams) -> None:
     service = TrackerService(nc, params)
     try:
         await service.start()
-        service.tune_gc()
+        service.tune_process()
         typer.echo(f"tracker ready on {url} (heartbeat expiry {params.expiry:g}s)")
         await stop.wait()
     finally:

@@ -92,6 +92,13 @@ class RangeClass:
             self._heaps[trusted] = [(e.weight, i, e.version) for i, e in self.nodes.items() if e.trusted == trusted]
             heapq.heapify(self._heaps[trusted])
 
+    def frozen(self) -> RangeClass:
+        """A copy of the replicas as they are now, for a reader in another thread (no heaps)."""
+        copy = RangeClass(self.start, self.end)
+        copy.nodes = dict(self.nodes)
+        copy._sorted_ids = self._sorted_ids
+        return copy
+
     def sorted_ids(self) -> list[str]:
         if self._sorted_ids is None:
             self._sorted_ids = sorted(self.nodes)
@@ -164,6 +171,14 @@ class GroupIndex:
         self._speed_cost = 0.0
         self._changed = True
         self._chainable: list[RangeClass] | None = None
+
+    def frozen(self) -> GroupIndex:
+        """A copy of the group's ranges and references as they are now (see RangeClass.frozen)."""
+        copy = GroupIndex(self.numerics)
+        copy.classes = {r: c.frozen() for r, c in self.classes.items()}
+        copy._speed, copy._speed_cost, copy._speed_built = self._speed, self._speed_cost, self._speed_built
+        copy._changed = self._speed is None
+        return copy
 
     def chainable(self) -> list[RangeClass]:
         """The ranges that can be on a complete route at all: reached by a chain from layer 0 and
@@ -281,6 +296,13 @@ class RouteIndex:
             group.ranges_changed()
         if not group.classes:
             del self.groups[where[0]]
+
+    def frozen(self) -> RouteIndex:
+        """A copy of the index as it is now, for building a coverage map in another thread: O(c)
+        dict copies of the ranges' replicas, no heaps."""
+        copy = RouteIndex(self.params)
+        copy.groups = {k: g.frozen() for k, g in self.groups.items()}
+        return copy
 
     def view(self, node_id: str) -> NodeView | None:
         where = self._where.get(node_id)
