@@ -66,6 +66,7 @@ class Options:
     tracker_args: tuple[str, ...] = ()
     profile_dir: str | None = None  # write each tracker's cProfile stats here
     timeout: float = 3.0  # seconds a route request waits for its answer (then once more)
+    tracker_pythonpath: str | None = None  # run another checkout's tracker (compare versions)
 
 
 def warmup_seconds(opts: Options) -> float:
@@ -202,7 +203,10 @@ async def _simulate(opts: Options, workdir: Path) -> dict:
         await ensure_topology(nc.jetstream())
         extra = list(opts.tracker_args)
         profile = Path(opts.profile_dir) if opts.profile_dir else None
-        trackers = [start_tracker(i, server.url, opts.expiry, extra, workdir, profile) for i in range(opts.trackers)]
+        trackers = [
+            start_tracker(i, server.url, opts.expiry, extra, workdir, profile, opts.tracker_pythonpath)
+            for i in range(opts.trackers)
+        ]
         spec = swarm.SwarmSpec(
             nodes=opts.nodes,
             seed=opts.seed,
@@ -398,6 +402,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=float, default=d.warmup, help="seconds (default: pings reach every node once)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     p.add_argument("--tracker-arg", action="append", default=[], help="extra argument for every tracker")
+    p.add_argument("--tracker-pythonpath", default=None, help="run the tracker of this checkout (compare versions)")
     p.add_argument("--timeout", type=float, default=d.timeout, help="seconds a route request waits")
     p.add_argument("--profile", default=None, help="directory for each tracker's cProfile stats")
     a = p.parse_args(argv)
@@ -418,6 +423,7 @@ def main(argv=None) -> None:
         tracker_args=tuple(a.tracker_arg),
         profile_dir=a.profile,
         timeout=a.timeout,
+        tracker_pythonpath=a.tracker_pythonpath,
     )
     try:
         result = simulate(opts)
