@@ -167,13 +167,14 @@ def _checks(results: list[P.RouteResult], truth: dict[str, swarm.SimNode], gone:
 
 
 def _quality(results: list[P.RouteResult], judge: Judge, t0: float, limit: int, search_checks: int = 10) -> dict:
-    ratios, search = [], []
+    ratios, search, anything = [], [], []
     for r in results:
         if r.sessions is None or not isinstance(r.reply, M.RouteAssignment):
             continue
         verdict = judge.judge(r.reply, r.sent - t0, r.sessions, r.policy)
         if verdict is not None:
             ratios.append(verdict["ratio"])
+            anything.append(verdict["ratio_any"])
         if len(search) < search_checks and len(ratios) % 10 == 1:
             ratio = search_ratio(judge.eligible(r.sent - t0, r.sessions, r.policy), r.policy, judge.params)
             if ratio is not None:
@@ -190,6 +191,7 @@ def _quality(results: list[P.RouteResult], judge: Judge, t0: float, limit: int, 
         "p90_ratio": round(ratios[int(0.9 * (len(ratios) - 1))], 4),
         "max_ratio": round(ratios[-1], 4),
         "within_5pct": round(sum(x <= 1.05 for x in ratios) / len(ratios), 3),
+        "median_ratio_with_stragglers": round(statistics.median(anything), 4),
         "search_on_truth": {"n": len(search), "max_ratio": round(max(search), 4) if search else None},
     }
 
