@@ -50,8 +50,15 @@ class Proc:
     def start(cls, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
         env = {**os.environ, **ONE_THREAD, **(env or {})}
         err = open(log, "ab")
-        popen = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env, text=True, bufsize=1
+        popen = subprocess.Popen(  # run from the work dir: `python -m` puts its directory first on the path
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            bufsize=1,
+            cwd=log.parent,
         )
         err.close()
         proc = cls(name, popen)
