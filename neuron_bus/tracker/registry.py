@@ -5,16 +5,20 @@ timestamps. A heartbeat from a node whose report the tracker has not seen yet (a
 restart, a lost announcement) is kept, and ``needs_report`` tells the service to read the
 node's report from the ``neuron-nodes`` KV bucket. The table is pure state: no NATS here.
 
-Every change to a node (report, heartbeat, round trip, assignment, expiry) refiles it in the
-route index (index.py), so route requests never scan the table.
+Every change to a node that matters to routes (report, status, sessions, queue, failures,
+throughput by more than 1%, neighbour latencies, round trip, assignment, expiry) refiles it in
+the route index (index.py), so route requests never scan the table.
 
-Cost, n nodes:
-- ``apply_heartbeat`` / ``apply_report`` / ``record_rtt``: O(1) here plus the index's O(log m);
-  ``record_assignment``: the same per hop.
-- ``expire`` (before every plan and report, and every 0.25 s): O(1 + what changed): nodes are kept in order of their last
-  heartbeat, so only the ones past the expiry are looked at; dead nodes in order of death, for
-  forgetting; assignments in time order, for the end of their window.
-- ``views`` (coverage map, rejection reasons): O(n log n).
+Cost, n nodes (m replicas in a node's range):
+- ``apply_heartbeat``: O(1) when it changes nothing that matters (most heartbeats: the node is
+  only marked alive), else O(1) plus the index's O(log m); ``apply_report``, ``record_rtt``: the
+  same; ``record_assignment``: the same per hop.
+- ``expire`` (before every plan and report, and every 0.25 s): O(1 + what changed): nodes are
+  kept in order of their last heartbeat, so only the ones past the expiry are looked at; dead
+  nodes in order of death, for forgetting; assignments in time order, for the end of their window.
+- ``records`` + ``tracked`` (the coverage map's node list): O(n) cheap steps, the sort by map
+  order kept between changes of the set of nodes; a node's entry is rebuilt only after it changed.
+- ``views`` (rejection reasons, tests): O(n log n).
 """
 
 from __future__ import annotations

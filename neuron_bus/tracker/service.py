@@ -21,14 +21,20 @@ sees it, and the hops are told by the client; a tracker that dies costs no assig
 Decisions that one tracker at a time must make (placement) hold the ``placement`` lease
 (neuron_bus/lease.py): ``TrackerService.placement.held``.
 
-Cost per message (n nodes, see registry.py, index.py, planner.py for the parts):
-- heartbeat, report: O(log m) (O(1) registry work + refiling in the route index);
-- route request: O(c k log m + ring search), independent of n beyond the log; several are
-  served concurrently (the KV and stream writes overlap), each reserving its nodes' load
-  before its first await so concurrent plans spread;
-- coverage request: O(n log n + output); the report is built at most every few multiples of
-  its own build time and served from that snapshot in between;
-- pings: a bounded sample per interval (latency.py), whatever n is.
+Cost per message (n nodes, m replicas in a range, c ranges; registry.py, index.py, planner.py,
+ring.py, coverage.py, latency.py for the parts):
+- heartbeat: O(1) when nothing that matters changed, else O(log m); report: O(log m);
+- route request: O(c k log m + the ring search over c k candidates), independent of n beyond
+  the log; several are served concurrently (the KV and stream writes overlap), each reserving
+  its nodes' load before its first await so concurrent plans spread. A request no route can
+  serve is explained by the pure planner over every node: O(n log n), the rejection path;
+- coverage request: a copy of the index and the node entries on the event loop (O(n) cheap
+  steps), the map built and encoded in a worker thread (O(n log n + output)); built at most
+  every COVERAGE_REUSE times its build time, served from that copy in between;
+- pings: a bounded sample per interval (latency.py), whatever n is; a large group's straggler
+  references are rebuilt in a worker thread, at most every 20 times what they take.
+The tracker process (``tune_process``) runs full garbage collections on a timer: at 10,000 nodes
+each one stops the event loop for 100-200 ms.
 
 On start the registry is rebuilt from KV ``neuron-nodes`` (every report a node ever put) plus the
 live heartbeats; a heartbeat from a node without a report triggers a KV read of its report. The
