@@ -115,9 +115,10 @@ class RangeClass:
         """(the ``k`` lightest replicas ``keep`` accepts, the ``k`` lightest of those that are not slow).
 
         Reads each heap from the top, dropping stale entries for good and putting the rest back;
-        gives up on a heap after ``k + SKIP`` live entries. ``weigh``: a node's weight now; an
-        entry found heavier than filed (its group's references moved: unmeasured nodes) goes back
-        at its new weight, so the lightest are found by today's weights.
+        gives up on a heap after ``k + SKIP`` live entries. ``weigh``: a node's weight now; a node
+        weighed by its group's references (no measured throughput or round trip) found heavier than
+        filed (the references moved) goes back at its new weight, so the lightest are found by
+        today's weights.
         """
         taken: list[tuple[list, tuple[float, str, int]]] = []
         kept: list[tuple[float, str, NodeView, bool]] = []
@@ -129,8 +130,9 @@ class RangeClass:
                 entry = self.nodes.get(item[1])
                 if entry is None or entry.version != item[2]:
                     continue  # stale: superseded or dropped
-                if weigh is not None:
-                    weight = weigh(entry.view)
+                view = entry.view
+                if weigh is not None and (view.decode_tps is None or view.rtt is None):  # weighed by references
+                    weight = weigh(view)
                     if weight > item[0] * (1 + REPUSH):
                         self._next += 1
                         entry.version, entry.weight = self._next, weight
