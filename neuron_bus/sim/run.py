@@ -319,11 +319,18 @@ async def _simulate(opts: Options, workdir: Path) -> dict:
             usage, v0 = Usage({k: v for k, v in pids.items() if not (killed and k == "tracker-0")}), varz(server)
             usage.start()
             answered, secs, lats = await probe.closed_loop(opts.concurrency, opts.throughput_seconds)
+            tp_usage = usage.stop()
+            idle = result["idle"]["usage"]
+            trackers_now = [k for k in tp_usage if k.startswith("tracker-")]
+            extra_cpu = sum(tp_usage[k]["cpu_share"] - idle[k]["cpu_share"] for k in trackers_now) * secs
             result["throughput_phase"] = {
                 "concurrency": opts.concurrency,
                 "routes_per_s": round(answered / secs, 1),
                 "route_ms": percentiles(lats),
-                "usage": usage.stop(),
+                # tracker CPU a route costs beyond heartbeats and pings (all trackers together):
+                # flat from one tracker to three means throughput grows with the cores they get
+                "tracker_cpu_ms_per_route": round(extra_cpu / max(answered, 1) * 1000, 3),
+                "usage": tp_usage,
                 "bus": _rates(v0, varz(server), secs),
             }
 
@@ -370,7 +377,10 @@ def summary(result: dict) -> str:
     ]
     if "throughput_phase" in result:
         tp = result["throughput_phase"]
-        lines.append(f"throughput {tp['routes_per_s']} routes/s at {tp['concurrency']} clients, ms {tp['route_ms']}")
+        lines.append(
+            f"throughput {tp['routes_per_s']} routes/s at {tp['concurrency']} clients, ms {tp['route_ms']},"
+            f" tracker CPU {tp['tracker_cpu_ms_per_route']} ms a route"
+        )
     for phase in ("idle", "latency_phase"):
         u = result[phase]["usage"]
         lines.append(
