@@ -30,11 +30,12 @@ import logging
 import time
 from collections.abc import Callable
 
-import msgspec
 import nats.errors
 import nats.js.errors as jserr
 
+from neuron_bus import messages
 from neuron_bus.errors import NeuronBusError
+from neuron_bus.messages import LeaseRecord
 from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.lease")
@@ -42,14 +43,6 @@ log = logging.getLogger("neuron_bus.lease")
 
 class LeaseError(NeuronBusError):
     """The lease cannot be used: its bucket is missing or has no expiry."""
-
-
-class LeaseRecord(msgspec.Struct, kw_only=True):
-    """The value of a lease key (JSON): who holds it and since when (their clock, for people)."""
-
-    holder: str
-    since: float
-    renewed: float
 
 
 class Lease:
@@ -102,7 +95,7 @@ class Lease:
 
     def _value(self, now_wall: float) -> bytes:
         since = self._since if self.token is not None else now_wall
-        return msgspec.json.encode(LeaseRecord(holder=self.holder, since=since, renewed=now_wall))
+        return messages.encode(LeaseRecord(holder=self.holder, since=since, renewed=now_wall))
 
     async def step(self) -> bool:
         """One attempt: renew the lease if we hold it, else try to take it. Returns ``held``."""
@@ -143,7 +136,7 @@ class Lease:
             return None
         if not entry.value:
             return None
-        return msgspec.json.decode(entry.value, type=LeaseRecord)
+        return messages.decode(entry.value, LeaseRecord)
 
     async def stop(self) -> None:
         """Stop renewing and release the lease if we hold it."""

@@ -802,6 +802,16 @@ class TrackedNode(Struct):
     flagged: bool = False  # audits caught it: never routed
 
 
+class LeaseRecord(Struct):
+    """The value of a lease key in KV ``neuron-leases`` (neuron_bus/lease.py): who holds it, since
+    when and when it last renewed it (the holder's clock: for people; the bucket's expiry and the
+    key's revision are what count)."""
+
+    holder: str
+    since: float
+    renewed: float
+
+
 class CoverageReport(Struct, tag_field="type", tag="coverage"):
     """The tracker's coverage map: per model group and layer, plus every node it knows."""
 
@@ -854,6 +864,7 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     PlacementRejection,
     MoveRange,
     MoveAccepted,
+    LeaseRecord,
 )
 
 _encoder = msgspec.json.Encoder()

@@ -35,17 +35,49 @@ async def ping(nc: nats.NATS, node_id: str, timeout: float = 1.0) -> float | Non
 
 
 async def ping_many(
-    nc: nats.NATS, node_ids: Iterable[str], timeout: float = 1.0, concurrency: int | None = None
+    nc: nats.NATS,
+    node_ids: Iterable[str],
+    timeout: float = 1.0,
+    concurrency: int | None = None,
+    stall: float | None = None,
 ) -> dict[str, float | None]:
     """Ping the nodes, at most ``concurrency`` at a time (all at once for None); node id -> round
     trip seconds (None: no valid answer). Few at a time keeps the answers from queueing behind
-    each other in this process, which would add to every round trip measured."""
+    each other in this process, which would add to every round trip measured.
+
+    ``stall``: watch this process's event loop meanwhile (a timer every STALL_TICK); a round trip
+    during which the loop stalled longer than ``stall`` (a collection, a long callback) measured
+    this process, not the path: it comes back None as well."""
     ids = list(node_ids)
     gate = asyncio.Semaphore(concurrency or max(len(ids), 1))
+    spans: dict[str, tuple[float, float]] = {}
+    stalls: list[float] = []  # when a stall ended (perf_counter), longer than ``stall``
 
     async def one(node_id: str) -> float | None:
         async with gate:
-            return await ping(nc, node_id, timeout)
+            t0 = time.perf_counter()
+            rtt = await ping(nc, node_id, timeout)
+            spans[node_id] = (t0, time.perf_counter())
+            return rtt
 
-    results = await asyncio.gather(*(one(n) for n in ids))
-    return dict(zip(ids, results))
+    async def watch() -> None:
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(STALL_TICK)
+            if time.perf_counter() - t - STALL_TICK > stall:
+                stalls.append(time.perf_counter())
+
+    watcher = asyncio.create_task(watch()) if stall is not None else None
+    try:
+        results = dict(zip(ids, await asyncio.gather(*(one(n) for n in ids))))
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    if stalls:
+        for node_id, (t0, t1) in spans.items():
+            if any(t0 < s <= t1 + STALL_TICK for s in stalls):
+                results[node_id] = None
+    return results
+
+
+STALL_TICK = 0.005

@@ -37,7 +37,7 @@ async def _serve(url: str, params: TrackerParams, metering: bool = True) -> None
     meter = Meter(nc) if metering else None  # metered rewards (trust/metering.py), beside the tracker
     try:
         await service.start()
-        service.tune_gc()
+        service.tune_process()
         if meter:
             await meter.start()
         typer.echo(f"tracker ready on {url} (heartbeat expiry {params.expiry:g}s{', metering' if meter else ''})")
@@ -65,6 +65,9 @@ def tracker(
         _DEFAULTS.min_capacity_tokens_per_second, help="Coverage: less summed decode tok/s is under-provisioned."
     ),
     ping_interval: float = typer.Option(_DEFAULTS.ping_interval, help="Seconds between latency pings (0: off)."),
+    ping_budget: int = typer.Option(
+        _DEFAULTS.ping_budget, min=1, help="Nodes pinged per interval at most (route candidates first)."
+    ),
     forget_after: float = typer.Option(
         _DEFAULTS.forget_after,
         help="Seconds after which a dead node (or a stored report with no heartbeat) is forgotten.",
@@ -87,6 +90,7 @@ def tracker(
         min_replicas=min_replicas,
         min_capacity_tokens_per_second=min_capacity,
         ping_interval=ping_interval,
+        ping_budget=ping_budget,
         forget_after=forget_after,
         audit_rate=audit_rate,
     )

@@ -48,11 +48,18 @@ class Proc:
     lines: queue.Queue = field(default_factory=queue.Queue)
 
     @classmethod
-    def start(cls, name: str, argv: list[str], log: Path) -> Proc:
-        env = {**os.environ, **ONE_THREAD}
+    def start(cls, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None) -> Proc:
+        env = {**os.environ, **ONE_THREAD, **(env or {})}
         err = open(log, "ab")
-        popen = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, env=env, text=True, bufsize=1
+        popen = subprocess.Popen(  # run from the work dir: `python -m` puts its directory first on the path
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            text=True,
+            bufsize=1,
+            cwd=log.parent,
         )
         err.close()
         proc = cls(name, popen)
@@ -108,11 +115,19 @@ def tracker_argv(url: str, expiry: float, extra: list[str], profile: Path | None
 
 
 def start_tracker(
-    index: int, url: str, expiry: float, extra: list[str], workdir: Path, profile_dir: Path | None = None
+    index: int,
+    url: str,
+    expiry: float,
+    extra: list[str],
+    workdir: Path,
+    profile_dir: Path | None = None,
+    pythonpath: str | None = None,
 ) -> Proc:
+    """``pythonpath``: run the tracker of another checkout (to compare versions)."""
     profile = profile_dir / f"tracker-{index}.prof" if profile_dir else None
     argv = tracker_argv(url, expiry, extra, profile)
-    proc = Proc.start(f"tracker {index}", argv, workdir / f"tracker-{index}.log")
+    env = {"PYTHONPATH": pythonpath} if pythonpath else None
+    proc = Proc.start(f"tracker {index}", argv, workdir / f"tracker-{index}.log", env)
     proc.wait_line(lambda line: "tracker ready" in line, 60)
     return proc
 

@@ -8,7 +8,9 @@ With every round trip known and no pairwise measurement overriding it, a ring's 
 exactly the sum of its nodes' round trips (each node sits on two seams, at half its round trip on
 each; a single node closes the ring on itself). The best ring is then a shortest path over layer
 boundaries with node weights ``seconds per token + rtt``: an exact optimum computed here
-independently of the planner's own search (which this checks).
+independently of the planner's own search (which this checks). The optimum is the one the planner
+may choose: stragglers left out when the rest chains, as the planner does (``ratio_any`` counts
+them in too).
 """
 
 from __future__ import annotations
@@ -61,11 +63,19 @@ def best_ring(views: Iterable[NodeView], n: int, params: TrackerParams) -> tuple
     return dist.get(n)
 
 
+def best_allowed(views: Sequence[NodeView], params: TrackerParams) -> tuple[float, list[str]] | None:
+    """The best ring the planner may choose: stragglers (speed.py) left out whenever the rest
+    still chains, as the planner does (a straggler's speed is not one to plan on)."""
+    group = speed.GroupSpeed(views)
+    fast = [v for v in views if not group.is_slow(v, params)]
+    return best_ring(fast, swarm.N_LAYERS, params) or best_ring(views, swarm.N_LAYERS, params)
+
+
 def search_ratio(views: Sequence[NodeView], policy: str, params: TrackerParams) -> float | None:
     """The planner's own search (planner.plan_route) on the ground truth, against the optimum:
     1.0 when the search loses nothing; what remains of a route's ratio is what the tracker did
     not know (round trips measured through queues, load a heartbeat behind, throughput noise)."""
-    best = best_ring(views, swarm.N_LAYERS, params)
+    best = best_allowed(views, params)
     req = RouteRequest(request_id="judge", model_preset=swarm.MODEL, policy=policy)
     plan = plan_route(req, views, params)
     if best is None or not isinstance(plan, Plan):
@@ -91,10 +101,13 @@ class Judge:
     def judge(
         self, route: RouteAssignment, t: float, sessions: dict[str, int], policy: str = "public"
     ) -> dict[str, float] | None:
-        """{"cost", "best", "ratio"} for ``route`` requested at run time ``t``; None if no ring exists."""
-        best = best_ring(self.eligible(t, sessions, policy), swarm.N_LAYERS, self.params)
+        """{"cost", "best", "ratio", "ratio_any"} for ``route`` requested at run time ``t`` against the
+        best the planner may choose (``ratio_any``: the best with stragglers too); None without a ring."""
+        eligible = self.eligible(t, sessions, policy)
+        best = best_allowed(eligible, self.params)
         if best is None:
             return None
+        anything = best_ring(eligible, swarm.N_LAYERS, self.params)
         hops = [truth_view(self.nodes[h.node_id], sessions.get(h.node_id, 0)) for h in route.hops]
         cost = ring_cost(hops, self.params)
-        return {"cost": cost, "best": best[0], "ratio": cost / best[0]}
+        return {"cost": cost, "best": best[0], "ratio": cost / best[0], "ratio_any": cost / anything[0]}

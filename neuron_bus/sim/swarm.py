@@ -50,7 +50,7 @@ STRAGGLER_SHARE = 0.03
 TRUSTED_SHARE = 0.2
 FIXED_S = 0.002  # per-token overhead of a call
 PER_LAYER_S = 0.0005
-SESSION_S = (5.0, 30.0)
+SESSION_S = (15.0, 90.0)  # a chat of a few hundred tokens at tens of tokens per second
 
 
 @dataclass(frozen=True)

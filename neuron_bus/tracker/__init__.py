@@ -6,9 +6,14 @@ Modules, one role each:
 - layers.py    layer-range arithmetic: gaps, reachable boundaries, inclusive spelling
 - speed.py     measured seconds per token, load and straggler detection
 - registry.py  the node table (capability reports + heartbeats, expiry, assignments)
-- planner.py   route planning: a cheapest ring over layer boundaries, or reasons
+- index.py     the usable nodes by group and layer range, lightest first (what routes read)
+- ring.py      the cheapest ring over a set of candidates (the search)
+- planner.py   route planning: filters, candidates per range, the search, or reasons
 - coverage.py  the coverage map and the rebalancing hint
+- latency.py   which nodes to ping: a bounded sample a round, route candidates first
 - service.py   TrackerService: the NATS subscriptions around all of the above
+
+Each module's docstring gives the cost of its paths; docs/tracker-scale.md the measurements.
 
 Only service.py loads NATS; ``TrackerService`` is imported on first use, so
 ``import neuron_bus.tracker.planner`` stays free of it.

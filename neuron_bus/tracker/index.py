@@ -64,8 +64,9 @@ class RangeClass:
         self.nodes: dict[str, _Entry] = {}
         self._heaps: dict[bool, list[tuple[float, str, int]]] = {True: [], False: []}  # trusted? -> heap
         self._sorted_ids: list[str] | None = None
+        self._next = 0  # versions of heap entries
 
-    def put(self, view: NodeView, weight: float, version: int) -> None:
+    def put(self, view: NodeView, weight: float) -> None:
         """File ``view`` at ``weight``; its heap entry stays if it moved by REPUSH at most (most
         heartbeats: throughput noise), so the heap order is right within that margin."""
         trusted = view.caps.trust_tier in TRUSTED_TIERS
@@ -75,9 +76,10 @@ class RangeClass:
         elif entry.trusted == trusted and abs(weight - entry.weight) <= REPUSH * entry.weight:
             entry.view = view
             return
-        self.nodes[view.node_id] = _Entry(view, version, weight, trusted)
+        self._next += 1
+        self.nodes[view.node_id] = _Entry(view, self._next, weight, trusted)
         heap = self._heaps[trusted]
-        heapq.heappush(heap, (weight, view.node_id, version))
+        heapq.heappush(heap, (weight, view.node_id, self._next))
         if len(heap) > 2 * len(self.nodes) + 16:
             self._rebuild()
 
@@ -90,18 +92,33 @@ class RangeClass:
             self._heaps[trusted] = [(e.weight, i, e.version) for i, e in self.nodes.items() if e.trusted == trusted]
             heapq.heapify(self._heaps[trusted])
 
+    def frozen(self) -> RangeClass:
+        """A copy of the replicas as they are now, for a reader in another thread (no heaps)."""
+        copy = RangeClass(self.start, self.end)
+        copy.nodes = dict(self.nodes)
+        copy._sorted_ids = self._sorted_ids
+        return copy
+
     def sorted_ids(self) -> list[str]:
         if self._sorted_ids is None:
             self._sorted_ids = sorted(self.nodes)
         return self._sorted_ids
 
     def best(
-        self, k: int, keep: Callable[[NodeView], bool], trusted_only: bool, slow: Callable[[NodeView], bool]
+        self,
+        k: int,
+        keep: Callable[[NodeView], bool],
+        trusted_only: bool,
+        slow: Callable[[NodeView], bool],
+        weigh: Callable[[NodeView], float] | None = None,
     ) -> tuple[list[NodeView], list[NodeView]]:
         """(the ``k`` lightest replicas ``keep`` accepts, the ``k`` lightest of those that are not slow).
 
         Reads each heap from the top, dropping stale entries for good and putting the rest back;
-        gives up on a heap after ``k + SKIP`` live entries.
+        gives up on a heap after ``k + SKIP`` live entries. ``weigh``: a node's weight now; a node
+        weighed by its group's references (no measured throughput or round trip) found heavier than
+        filed (the references moved) goes back at its new weight, so the lightest are found by
+        today's weights.
         """
         taken: list[tuple[list, tuple[float, str, int]]] = []
         kept: list[tuple[float, str, NodeView, bool]] = []
@@ -113,6 +130,14 @@ class RangeClass:
                 entry = self.nodes.get(item[1])
                 if entry is None or entry.version != item[2]:
                     continue  # stale: superseded or dropped
+                view = entry.view
+                if weigh is not None and (view.decode_tps is None or view.rtt is None):  # weighed by references
+                    weight = weigh(view)
+                    if weight > item[0] * (1 + REPUSH):
+                        self._next += 1
+                        entry.version, entry.weight = self._next, weight
+                        heapq.heappush(heap, (weight, item[1], self._next))
+                        continue
                 taken.append((heap, item))
                 looked += 1
                 if keep(entry.view):
@@ -148,6 +173,14 @@ class GroupIndex:
         self._speed_cost = 0.0
         self._changed = True
         self._chainable: list[RangeClass] | None = None
+
+    def frozen(self) -> GroupIndex:
+        """A copy of the group's ranges and references as they are now (see RangeClass.frozen)."""
+        copy = GroupIndex(self.numerics)
+        copy.classes = {r: c.frozen() for r, c in self.classes.items()}
+        copy._speed, copy._speed_cost, copy._speed_built = self._speed, self._speed_cost, self._speed_built
+        copy._changed = self._speed is None
+        return copy
 
     def chainable(self) -> list[RangeClass]:
         """The ranges that can be on a complete route at all: reached by a chain from layer 0 and
@@ -212,7 +245,6 @@ class RouteIndex:
         self.params = params
         self.groups: dict[Numerics, GroupIndex] = {}
         self._where: dict[str, tuple[Numerics, Range]] = {}
-        self._version = 0
 
     @classmethod
     def of(cls, views: Iterable[NodeView], params: TrackerParams) -> RouteIndex:
@@ -250,8 +282,7 @@ class RouteIndex:
         if cls is None:
             cls = group.classes[where[1]] = RangeClass(*where[1])
             group.ranges_changed()
-        self._version += 1
-        cls.put(view, ring_weight(view, refs, self.params), self._version)
+        cls.put(view, ring_weight(view, refs, self.params))
         group.touched()
 
     def discard(self, node_id: str) -> None:
@@ -268,6 +299,13 @@ class RouteIndex:
         if not group.classes:
             del self.groups[where[0]]
 
+    def frozen(self) -> RouteIndex:
+        """A copy of the index as it is now, for building a coverage map in another thread: O(c)
+        dict copies of the ranges' replicas, no heaps."""
+        copy = RouteIndex(self.params)
+        copy.groups = {k: g.frozen() for k, g in self.groups.items()}
+        return copy
+
     def view(self, node_id: str) -> NodeView | None:
         where = self._where.get(node_id)
         if where is None:
@@ -278,14 +316,27 @@ class RouteIndex:
         """Large groups whose speed references are due for a rebuild in the background."""
         return [g for g in self.groups.values() if g.needs_background_speed()]
 
-    def candidates(self, k: int) -> set[str]:
-        """The ``k`` lightest replicas of every range, for public and for trusted routes: the
-        nodes routes are about to use. O(c k log m)."""
+    def candidates(self, k: int, seams: bool = True) -> set[str]:
+        """The ``k`` lightest replicas of every range that can chain, for public and for trusted
+        routes: the nodes routes are about to use. ``seams`` false: by seconds per token alone
+        (the nodes that would be candidates with the best round trips). O(c k log m)."""
         out: set[str] = set()
         for group in self.groups.values():
-            for cls in group.classes.values():
+            refs = group.references()
+
+            def weigh(v: NodeView, refs=refs) -> float:
+                if seams:
+                    return ring_weight(v, refs, self.params)
+                return speed.expected_seconds_per_token(v, refs.per_layer, self.params)
+
+            for cls in group.chainable():
                 for trusted_only in (True, False):
-                    top, _ = cls.best(k, _anyone, trusted_only, _never)
+                    if seams:
+                        top, _ = cls.best(k, _anyone, trusted_only, _never, weigh)
+                    else:
+                        top = heapq.nsmallest(
+                            k, (e.view for e in cls.nodes.values() if trusted_only <= e.trusted), key=weigh
+                        )
                     out.update(v.node_id for v in top)
         return out
 

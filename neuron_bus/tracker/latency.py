@@ -4,8 +4,10 @@ A round trip measured through queues only ever comes out too long, so the tracke
 least of a node's last few (registry.RTT_SAMPLES) and pings the nodes whose figure is least
 settled first. A round (every ``ping_interval``) pings at most ``ping_budget`` nodes: half the
 budget for route candidates (the lightest replicas of every range: the nodes routes are about to
-use), half for the rest of the swarm, each half ordered by (answers so far, capped at
-``settled``; then the longest since pinged). A share one side does not use goes to the other.
+use), a quarter for the promising nodes (the fastest replicas of every range, whatever their
+round trip: the nodes that would be candidates if theirs turned out short), a quarter for the
+rest of the swarm; each share ordered by (answers so far, capped at ``settled``; then the
+longest since pinged). What a share does not use goes to the others.
 So a node that could win routes is measured within a round of joining and its figure settles
 within a few, and the rest of a large swarm is measured, then re-measured, a budget at a time.
 
@@ -30,17 +32,25 @@ class PingSampler:
     def _rank(self, node_id: str) -> tuple[int, float]:
         return (min(self.answers.get(node_id, 0), self.settled), self.pinged.get(node_id, float("-inf")))
 
-    def choose(self, live: Iterable[str], candidates: Iterable[str]) -> list[str]:
+    def choose(self, live: Iterable[str], candidates: Iterable[str], promising: Iterable[str] = ()) -> list[str]:
         """The nodes to ping this round (see the module docstring)."""
         live = set(live)
         cands = {c for c in candidates if c in live}
+        hopeful = {p for p in promising if p in live} - cands
+        rest = live - cands - hopeful
         b = self.budget
-        top_c = heapq.nsmallest(b, sorted(cands), key=self._rank)  # sorted: ties break on ids
-        top_o = heapq.nsmallest(b, sorted(live - cands), key=self._rank)
-        half = b // 2
-        take_c = max(half, b - len(top_o))
-        chosen = top_c[:take_c]
-        return chosen + top_o[: b - len(chosen)]
+        tops = [
+            heapq.nsmallest(b, sorted(group), key=self._rank) for group in (cands, hopeful, rest)
+        ]  # sorted: ties on ids
+        shares = [b // 2, b // 4, b - b // 2 - b // 4]
+        chosen = [n for top, share in zip(tops, shares) for n in top[:share]]
+        spare = b - len(chosen)  # what a share did not use goes to the others, in the same order
+        taken = set(chosen)
+        for top in tops:
+            extra = [n for n in top if n not in taken][:spare]
+            chosen += extra
+            spare -= len(extra)
+        return chosen
 
     def pinged_at(self, node_ids: Iterable[str], now: float) -> None:
         for n in node_ids:

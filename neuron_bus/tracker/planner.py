@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from neuron_bus.messages import RouteAssignment, RouteHop, RouteRejection, RouteRequest
 from neuron_bus.routes import TRUSTED_TIERS, hop_subject
 from neuron_bus.tracker import layers
-from neuron_bus.tracker.index import GroupIndex, RouteIndex
+from neuron_bus.tracker.index import GroupIndex, RouteIndex, ring_weight
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.ring import cheapest_ring
 from neuron_bus.tracker.view import NodeView, Numerics
@@ -210,11 +210,16 @@ def plan_group(
     def slow(v: NodeView) -> bool:
         return group_speed.is_slow(v, params)
 
+    refs = group_speed.references
+
+    def weigh(v: NodeView) -> float:
+        return ring_weight(v, refs, params)
+
     k = params.route_candidates
     lightest: dict[str, NodeView] = {}
     fast: dict[str, NodeView] = {}
     for cls in group.chainable() if chainable_only else group.classes.values():
-        top, top_fast = cls.best(k, keep, trusted_only, slow)
+        top, top_fast = cls.best(k, keep, trusted_only, slow, weigh)
         lightest.update((v.node_id, v) for v in top)
         fast.update((v.node_id, v) for v in top_fast)
     ranges = {(v.layer_start, v.layer_end) for v in lightest.values()}
@@ -231,7 +236,6 @@ def plan_group(
                 for a, b in gaps
             )
         )
-    refs = group_speed.references
     everyone = {**lightest, **fast}
     best = None
     if len(fast) < len(everyone):  # stragglers among the candidates: first try without them

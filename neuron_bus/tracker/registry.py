@@ -5,22 +5,26 @@ timestamps. A heartbeat from a node whose report the tracker has not seen yet (a
 restart, a lost announcement) is kept, and ``needs_report`` tells the service to read the
 node's report from the ``neuron-nodes`` KV bucket. The table is pure state: no NATS here.
 
-Every change to a node (report, heartbeat, round trip, assignment, expiry) refiles it in the
-route index (index.py), so route requests never scan the table.
+Every change to a node that matters to routes (report, status, sessions, queue, failures,
+throughput by more than 1%, neighbour latencies, round trip, assignment, expiry) refiles it in
+the route index (index.py), so route requests never scan the table.
 
-Cost, n nodes:
-- ``apply_heartbeat`` / ``apply_report`` / ``record_rtt``: O(1) here plus the index's O(log m);
-  ``record_assignment``: the same per hop.
-- ``expire`` (before every plan and report, and every 0.25 s): O(1 + what changed): nodes are kept in order of their last
-  heartbeat, so only the ones past the expiry are looked at; dead nodes in order of death, for
-  forgetting; assignments in time order, for the end of their window.
-- ``views`` (coverage map, rejection reasons): O(n log n).
+Cost, n nodes (m replicas in a node's range):
+- ``apply_heartbeat``: O(1) when it changes nothing that matters (most heartbeats: the node is
+  only marked alive), else O(1) plus the index's O(log m); ``apply_report``, ``record_rtt``: the
+  same; ``record_assignment``: the same per hop.
+- ``expire`` (before every plan and report, and every 0.25 s): O(1 + what changed): nodes are
+  kept in order of their last heartbeat, so only the ones past the expiry are looked at; dead
+  nodes in order of death, for forgetting; assignments in time order, for the end of their window.
+- ``records`` + ``tracked`` (the coverage map's node list): O(n) cheap steps, the sort by map
+  order kept between changes of the set of nodes; a node's entry is rebuilt only after it changed.
+- ``views`` (rejection reasons, tests): O(n log n).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 from neuron_bus.messages import CapabilityReport, NodeHeartbeat, RouteAssignment, TrackedNode
@@ -40,9 +44,20 @@ class _Entry:
     rtts: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES))
     assigned: deque[float] = field(default_factory=deque)
     was_alive: bool = False
+    opened: int = 0  # how many more sessions the last heartbeat reported than the one before
     filed: NodeHeartbeat | None = None  # the heartbeat the route index last saw
     view: NodeView | None = None  # the view filed then
     tracked: TrackedNode | None = None  # its coverage-map entry (built when asked for)
+
+
+class Record:
+    """What the coverage map needs of one node, copied from the table (registry.records)."""
+
+    __slots__ = ("node_id", "view", "last_seen", "assigned", "opened", "tracked")
+
+    def __init__(self, node_id, view, last_seen, assigned, opened, tracked):
+        self.node_id, self.view, self.last_seen = node_id, view, last_seen
+        self.assigned, self.opened, self.tracked = assigned, opened, tracked
 
 
 RTT_SAMPLES = 4  # a round trip only ever gains from queueing on the way: the least of a few is the path's
@@ -77,6 +92,8 @@ class Registry:
         if entry is None:
             entry = self._nodes[node_id] = _Entry()
         same = entry.was_alive and not entry.assigned and _same_state(entry.filed, hb)
+        previous = entry.heartbeat
+        entry.opened = max(0, hb.sessions_active - previous.sessions_active) if previous is not None else 0
         entry.heartbeat = hb
         entry.last_seen = now
         if not entry.was_alive:
@@ -182,49 +199,55 @@ class Registry:
                     entry.assigned.popleft()
                 self._refile(node_id, entry, now)
 
-    def everyone(self, now: float) -> Iterator[tuple[NodeView, bool]]:
-        """(view as last filed, alive at ``now``) for every node with a report: O(n), no new views."""
-        expiry = self.params.expiry
-        for e in self._nodes.values():
-            if e.view is not None:
-                yield e.view, e.last_seen is not None and now - e.last_seen <= expiry
-
-    def tracked_order(self, model_preset: str | None = None) -> list[str]:
-        """Node ids in the coverage map's order (model, first layer, id), kept between changes of
-        the set of nodes: O(n log n) after a change, O(n) (the model filter) otherwise."""
+    def records(self, model_preset: str | None = None) -> list[Record]:
+        """Every node with a report, in the coverage map's order (model, first layer, id), copied
+        as far as the map needs (O(n) cheap steps), for building the map in another thread while
+        the table goes on changing. The order is kept between changes of the set of nodes."""
         if self._order is None:
-            keyed = [(e.view.caps.model_preset, e.view.layer_start, i) for i, e in self._nodes.items() if e.view]
-            self._order = [k for k in sorted(keyed)]
-        return [i for m, _, i in self._order if model_preset is None or m == model_preset]
+            self._order = sorted(
+                (e.view.caps.model_preset, e.view.layer_start, i) for i, e in self._nodes.items() if e.view
+            )
+        out = []
+        for m, _, node_id in self._order:
+            e = self._nodes.get(node_id)
+            if e is not None and e.view is not None and (model_preset is None or m == model_preset):
+                out.append(Record(node_id, e.view, e.last_seen, tuple(e.assigned), e.opened, e.tracked))
+        return out
 
-    def tracked(self, node_ids: Iterable[str], now: float, speeds: dict, flagged: Container[str]) -> list[TrackedNode]:
-        """The coverage map's entries of ``node_ids`` as of ``now``: each entry is built once per
-        change of its node; only the fields that depend on the clock, the flags and the group's
-        references are set here (O(1) per node)."""
+    def tracked(
+        self, records: Iterable[Record], now: float, speeds: dict, flagged: Container[str]
+    ) -> list[TrackedNode]:
+        """The coverage map's node entries as of ``now`` (pure: safe in another thread). Each
+        entry is built once per change of its node (``keep_tracked`` stores it); only the fields
+        that depend on the clock, the flags and the group's references are set here: O(1) a node."""
         out = []
         expiry, slow_factor = self.params.expiry, self.params.slow_factor
-        for node_id in node_ids:
-            e = self._nodes.get(node_id)
-            if e is None or e.view is None:
-                continue  # forgotten since the order was taken
-            v = e.view
-            t = e.tracked
+        for r in records:
+            v = r.view
+            t = r.tracked
             if t is None:
-                t = e.tracked = tracked_node(v, False)
+                t = r.tracked = tracked_node(v, False)
             group_speed = speeds[v.numerics]
-            if node_id in group_speed.members:  # the usual case: one comparison with its size's threshold
+            if r.node_id in group_speed.members:  # the usual case: one comparison with its size's threshold
                 threshold = group_speed.slow_threshold(v.n_layers, slow_factor)
                 t.slow = threshold is not None and v.decode_tps is not None and 1.0 / v.decode_tps > threshold
             else:
                 t.slow = group_speed.is_slow(v, self.params)
-            alive = e.last_seen is not None and now - e.last_seen <= expiry
+            alive = r.last_seen is not None and now - r.last_seen <= expiry
             t.alive = alive
             t.status = v.status if alive else "expired"
-            t.seconds_since_heartbeat = None if e.last_seen is None else round(now - e.last_seen, 3)
-            t.recently_assigned = self._pending_assignments(e, now)
-            t.flagged = node_id in flagged
+            t.seconds_since_heartbeat = None if r.last_seen is None else round(now - r.last_seen, 3)
+            t.recently_assigned = self._pending_assignments(r, now)
+            t.flagged = r.node_id in flagged
             out.append(t)
         return out
+
+    def keep_tracked(self, records: Iterable[Record]) -> None:
+        """Store the node entries built from ``records`` whose node has not changed since."""
+        for r in records:
+            e = self._nodes.get(r.node_id)
+            if e is not None and e.tracked is None and e.view is r.view and r.tracked is not None:
+                e.tracked = r.tracked
 
     def views(self, now: float) -> list[NodeView]:
         """A snapshot of every node with a capability report, for the planner and coverage."""
@@ -250,16 +273,19 @@ class Registry:
             consistent=entry.heartbeat is None or hb is not None,
         )
 
-    def _pending_assignments(self, entry: _Entry, now: float) -> int:
-        """Recent assignments no heartbeat could have reported yet (see TrackerParams)."""
+    def _pending_assignments(self, entry: _Entry | Record, now: float) -> int:
+        """Recent assignments no heartbeat has reported yet (see TrackerParams): those made after
+        the last heartbeat's grace started, less the ones its rise in sessions already shows
+        (made before it arrived, at most as many as it reported more sessions than the previous)."""
         if not entry.assigned:
             return 0
-        reported_before = entry.last_seen - self.params.assignment_grace if entry.last_seen is not None else None
-        return sum(
-            1
-            for t in entry.assigned
-            if now - t <= self.params.assignment_window and (reported_before is None or t > reported_before)
-        )
+        p = self.params
+        last = entry.last_seen
+        if last is None:
+            return sum(1 for t in entry.assigned if now - t <= p.assignment_window)
+        recent = [t for t in entry.assigned if now - t <= p.assignment_window and t > last - p.assignment_grace]
+        shown = min(sum(1 for t in recent if t <= last), entry.opened)
+        return len(recent) - shown
 
 
 TPS_NOISE = 0.01  # throughput changes within 1% (neighbour latencies: 10%) leave a node where it is in the index

@@ -30,10 +30,9 @@ from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.view import NodeView
 
 Chain = tuple[float, tuple[NodeView, ...]]
-
-
-def _key(option: Chain):
-    return (round(option[0], 12), [h.node_id for h in option[1]])
+# within the search a chain is (key, total, hops); key = (total rounded to 1e-12, the hops' ids):
+# the order of chains, equal costs broken on node ids (deterministic)
+_Ranked = tuple[tuple[float, tuple[str, ...]], float, tuple[NodeView, ...]]
 
 
 def cheapest_ring(nodes: Sequence[NodeView], n: int, refs: speed.References, params: TrackerParams) -> Chain | None:
@@ -59,50 +58,59 @@ def cheapest_ring(nodes: Sequence[NodeView], n: int, refs: speed.References, par
     ordered = sorted(by_id.values(), key=lambda v: (v.layer_start, v.node_id))
     heads = [v for v in ordered if v.layer_start == 0]
     plain = {h.node_id for h in heads if h.node_id not in closing}
-    best: Chain | None = None
+    best: _Ranked | None = None
     passes = [(plain, {})] if plain else []
     passes += [({h}, closing[h]) for h in sorted(closing) if h in by_id and by_id[h].layer_start == 0]
     for sources, close in passes:
-        chains = _chains(ordered, sources, weight, into)
-        for tail_id, (total, hops) in chains.items():
+        for tail_id, (_, total, hops) in _chains(ordered, sources, weight, into).items():
             if hops[-1].layer_end != n:
                 continue
-            candidate = (total + close.get(tail_id, 0.0), hops)
-            if best is None or _key(candidate) < _key(best):
+            total += close.get(tail_id, 0.0)
+            candidate = ((round(total, 12), tuple(h.node_id for h in hops)), total, hops)
+            if best is None or candidate[0] < best[0]:
                 best = candidate
-    return best
+    return None if best is None else (best[1], best[2])
 
 
 def _chains(
     ordered: Sequence[NodeView], sources: set[str], weight: dict[str, float], into: dict[str, dict[str, float]]
-) -> dict[str, Chain]:
+) -> dict[str, _Ranked]:
     """The cheapest chain from any of ``sources`` to every node reachable from them."""
-    chain: dict[str, Chain] = {}
+    chain: dict[str, _Ranked] = {}
     ends: dict[int, list[str]] = defaultdict(list)  # boundary -> nodes whose chain ends there
     ranked: dict[int, list[str]] = {}  # the same, ranked by chain cost (built on first use)
+    none: dict[str, float] = {}
     for v in ordered:
         vid = v.node_id
-        if v.layer_start == 0:
+        start = v.layer_start
+        if start == 0:
             if vid not in sources:
                 continue
-            chain[vid] = (weight[vid], (v,))
+            w = weight[vid]
+            chain[vid] = ((round(w, 12), (vid,)), w, (v,))
         else:
-            options = []
-            measured = into.get(vid, {})
-            order = ranked.get(v.layer_start)
+            order = ranked.get(start)
             if order is None:
-                order = ranked[v.layer_start] = sorted(ends[v.layer_start], key=lambda u: _key(chain[u]))
+                order = ranked[start] = sorted(ends[start], key=lambda u: chain[u][0])
+            measured = into.get(vid, none)
+            w = weight[vid]
+            best: _Ranked | None = None
             for u in order:  # the cheapest predecessor whose seam to v is not measured
                 if u not in measured:
-                    total, hops = chain[u]
-                    options.append((total + weight[vid], (*hops, v)))
+                    (_, ids), total, hops = chain[u]
+                    total += w
+                    best = ((round(total, 12), (*ids, vid)), total, (*hops, v))
                     break
             for u, delta in measured.items():
-                if u in chain and chain[u][1][-1].layer_end == v.layer_start:
-                    total, hops = chain[u]
-                    options.append((total + delta + weight[vid], (*hops, v)))
-            if not options:
+                c = chain.get(u)
+                if c is not None and c[2][-1].layer_end == start:
+                    (_, ids), total, hops = c
+                    total += delta + w
+                    option = ((round(total, 12), (*ids, vid)), total, (*hops, v))
+                    if best is None or option[0] < best[0]:
+                        best = option
+            if best is None:
                 continue
-            chain[vid] = min(options, key=_key)
+            chain[vid] = best
         ends[v.layer_end].append(vid)
     return chain

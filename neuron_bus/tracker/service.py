@@ -21,14 +21,20 @@ sees it, and the hops are told by the client; a tracker that dies costs no assig
 Decisions that one tracker at a time must make (placement) hold the ``placement`` lease
 (neuron_bus/lease.py): ``TrackerService.placement.held``.
 
-Cost per message (n nodes, see registry.py, index.py, planner.py for the parts):
-- heartbeat, report: O(log m) (O(1) registry work + refiling in the route index);
-- route request: O(c k log m + ring search), independent of n beyond the log; several are
-  served concurrently (the KV and stream writes overlap), each reserving its nodes' load
-  before its first await so concurrent plans spread;
-- coverage request: O(n log n + output); the report is built at most every few multiples of
-  its own build time and served from that snapshot in between;
-- pings: a bounded sample per interval (latency.py), whatever n is.
+Cost per message (n nodes, m replicas in a range, c ranges; registry.py, index.py, planner.py,
+ring.py, coverage.py, latency.py for the parts):
+- heartbeat: O(1) when nothing that matters changed, else O(log m); report: O(log m);
+- route request: O(c k log m + the ring search over c k candidates), independent of n beyond
+  the log; several are served concurrently (the KV and stream writes overlap), each reserving
+  its nodes' load before its first await so concurrent plans spread. A request no route can
+  serve is explained by the pure planner over every node: O(n log n), the rejection path;
+- coverage request: a copy of the index and the node entries on the event loop (O(n) cheap
+  steps), the map built and encoded in a worker thread (O(n log n + output)); built at most
+  every COVERAGE_REUSE times its build time, served from that copy in between;
+- pings: a bounded sample per interval (latency.py), whatever n is; a large group's straggler
+  references are rebuilt in a worker thread, at most every 20 times what they take.
+The tracker process (``tune_process``) runs full garbage collections on a timer: at 10,000 nodes
+each one stops the event loop for 100-200 ms.
 
 A report or heartbeat whose node id is not the one its subject (or KV key) names is ignored and
 counted (`spoofed`): with per-node credentials the server lets a node publish under its own id
@@ -45,6 +51,7 @@ import asyncio
 import gc
 import hashlib
 import logging
+import sys
 import time
 import uuid
 from collections import OrderedDict, deque
@@ -82,11 +89,13 @@ SWEEP_INTERVAL = 0.25
 REPORT_RETRY = 2.0
 IN_FLIGHT = 64  # route requests served at once
 COVERAGE_REUSE = 4.0  # a coverage report is reused for up to this many times its build time
-FULL_GC_INTERVAL = 120.0  # seconds between full collections once tune_gc ran
-COVERAGE_CHUNK = 2000  # node entries set between two turns of the event loop
+FULL_GC_INTERVAL = 120.0  # seconds between full collections once tune_process ran
 PLACEMENT_LEASE = "placement"
 YIELD_EVERY = 32  # heartbeats handled in a row before other callbacks get a turn
-PING_CONCURRENCY = 8  # pings in flight at once: answers queueing here would inflate every round trip
+PING_CONCURRENCY = 8
+PING_STALL = 0.005  # a round trip during which this loop stalled longer is not a measurement
+PROMISING = 8  # the fastest replicas of each range, pinged first among the rest (latency.py)
+PROMISING_EVERY = 10  # rounds between two readings of them (O(n))  # pings in flight at once: answers queueing here would inflate every round trip
 
 
 class TrackerError(NeuronBusError):
@@ -119,11 +128,12 @@ class TrackerService:
         self._tasks: set[asyncio.Task] = set()
         self._fetching: set[str] = set()
         self._beats = 0
-        self._full_gc_at: float | None = None  # tune_gc: when the next full collection runs
+        self._full_gc_at: float | None = None  # tune_process: when the next full collection runs
         self._started_at: float | None = None
         self._ours: OrderedDict[str, float] = OrderedDict()  # route ids this tracker assigned -> when
         self._in_flight = asyncio.Semaphore(IN_FLIGHT)
         self._coverage: dict[tuple, tuple[float, float, bytes]] = {}  # request kind -> (built at, cost, report)
+        self._coverage_builds: dict[tuple, asyncio.Future] = {}
         self.placement: Lease | None = None
         self.placer: Placer | None = None  # joining --layers auto nodes, and moves (holder of the lease only)
         self.trust = TrackerTrust(nc, params.audit_rate)  # replay sampling, audit flags
@@ -184,7 +194,7 @@ class TrackerService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
 
-    def tune_gc(self) -> None:
+    def tune_process(self) -> None:
         """For a tracker process (the CLI calls it): Python's full collections walk every live
         object (a 10,000-node table holds hundreds of thousands) and stop the event loop for
         100-200 ms whenever survivors pile up, every few seconds under heartbeats. The young
@@ -194,6 +204,9 @@ class TrackerService:
         gc.set_threshold(gen0, gen1, 1_000_000)  # the oldest generation: collected when asked
         gc.freeze()
         self._full_gc_at = _mono() + FULL_GC_INTERVAL
+        # coverage maps and straggler references are built in a worker thread: the event loop
+        # gets the interpreter back within a millisecond (the default is 5 ms a handover)
+        sys.setswitchinterval(0.001)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -301,6 +314,7 @@ class TrackerService:
         the server: the tracker's own round trip to it (a flush, the least of the last few) is
         taken off, as the seams between two nodes never cross the tracker."""
         own: deque[float] = deque(maxlen=16)
+        rounds, promising = 0, set()
         while True:
             now = _mono()
             try:
@@ -310,11 +324,16 @@ class TrackerService:
                 pass
             base = min(own, default=0.0)
             now = _mono()
+            index = self.registry.index
+            if rounds % PROMISING_EVERY == 0:
+                promising = index.candidates(PROMISING, seams=False)
+            rounds += 1
             chosen = self.pings.choose(
-                self.registry.live_ids(now), self.registry.index.candidates(self.params.route_candidates)
+                self.registry.live_ids(now), index.candidates(self.params.route_candidates), promising
             )
             self.pings.pinged_at(chosen, now)
-            for node_id, rtt in (await ping_many(self.nc, chosen, concurrency=PING_CONCURRENCY)).items():
+            rtts = await ping_many(self.nc, chosen, concurrency=PING_CONCURRENCY, stall=PING_STALL)
+            for node_id, rtt in rtts.items():
                 if rtt is not None:  # no answer: the last measurement stands
                     self.registry.record_rtt(node_id, max(rtt - base, 0.0), _mono())
                     self.pings.answered(node_id)
@@ -429,36 +448,40 @@ class TrackerService:
         return self.trust.mark(self.registry.views(_mono()))
 
     async def coverage(self, req: CoverageRequest = CoverageRequest()) -> bytes:
-        """The encoded coverage map for ``req``, from the route index and the registry's cached
-        node entries (no view is rebuilt); the node list is set in chunks, letting route requests
-        and heartbeats in between. Reused while younger than COVERAGE_REUSE times its build time."""
+        """The encoded coverage map for ``req``: a copy of the route index and of the node
+        entries is taken here (O(n) cheap steps), the map is built and encoded in a worker thread
+        meanwhile route requests and heartbeats go on; one build at a time per kind of request,
+        reused while younger than COVERAGE_REUSE times its build time."""
         key = (req.model_preset, req.nodes, req.replicas)
-        t0 = _mono()
         cached = self._coverage.get(key)
-        if cached is not None and t0 - cached[0] <= COVERAGE_REUSE * cached[1]:
+        if cached is not None and _mono() - cached[0] <= COVERAGE_REUSE * cached[1]:
             return cached[2]
-        registry, flagged = self.registry, self.trust.flagged
+        pending = self._coverage_builds.get(key)
+        if pending is None:
+            pending = self._coverage_builds[key] = asyncio.ensure_future(self._build_coverage(req, key))
+            pending.add_done_callback(lambda _: self._coverage_builds.pop(key, None))
+        return await asyncio.shield(pending)
+
+    async def _build_coverage(self, req: CoverageRequest, key: tuple) -> bytes:
+        t0 = _mono()
+        registry, flagged, params = self.registry, self.trust.flagged, self.params
         registry.expire(t0)
-        speeds = group_speeds(registry.index, {v.numerics for v, _ in registry.everyone(t0)})
-        nodes: list = []
-        if req.nodes:
-            order = registry.tracked_order(req.model_preset)
-            for i in range(0, len(order), COVERAGE_CHUNK):
-                nodes += registry.tracked(order[i : i + COVERAGE_CHUNK], t0, speeds, flagged)
-                await asyncio.sleep(0)
-        report = assemble(
-            registry.index,
-            registry.everyone(t0),
-            lambda: nodes,
-            time.time(),
-            self.params,
-            req.model_preset,
-            req.nodes,
-            req.replicas,
-        )
-        if self.placer is not None:
-            report.placements = list(self.placer.decisions)
-        data = messages.encode(report)
+        index, records = registry.index.frozen(), registry.records(req.model_preset)
+        placements = list(self.placer.decisions) if self.placer is not None else []
+
+        def build() -> bytes:
+            expiry = params.expiry
+            speeds = group_speeds(index, {r.view.numerics for r in records})
+            nodes = registry.tracked(records, t0, speeds, flagged) if req.nodes else []
+            everyone = [(r.view, r.last_seen is not None and t0 - r.last_seen <= expiry) for r in records]
+            report = assemble(
+                index, everyone, lambda: nodes, time.time(), params, req.model_preset, req.nodes, req.replicas
+            )
+            report.placements = placements
+            return messages.encode(report)
+
+        data = await asyncio.to_thread(build)
+        registry.keep_tracked(records)
         self._coverage[key] = (t0, _mono() - t0, data)
         return data
 
