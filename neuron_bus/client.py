@@ -214,6 +214,7 @@ class NeuronClient:
         prefill_retries: int = PREFILL_RETRIES,
         repair: bool = True,
         policy: str = "public",
+        speculative: int = 0,
     ) -> AsyncGenerator[M.TokenDelta | M.GenerationTelemetry, None]:
         """Yield telemetry and token deltas; raise RouteError on a failed route.
 
@@ -221,6 +222,8 @@ class NeuronClient:
         (``prefill_retries`` times); a hop lost during decode is replaced when a compatible
         replacement and snapshot exist (``repair``, see repair.py), otherwise the session fails.
         ``policy`` (public, private, paid-trusted) is asked of the tracker for every route it plans.
+        ``speculative`` k > 0: decode steps carry up to k draft tokens that every hop checks in one
+        call (the output is plain decoding's, greedy or seeded; see worker/drafting.py).
         """
         run = GenerationRun(
             self,
@@ -236,6 +239,7 @@ class NeuronClient:
             prompt_tokens=prompt_tokens,
             prefill_retries=prefill_retries,
             repair=repair,
+            speculative=speculative,
         )
         async for event in run.events():
             yield event

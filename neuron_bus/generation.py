@@ -66,6 +66,7 @@ class GenerationRun:
         prompt_tokens: list[int] | None,
         prefill_retries: int = PREFILL_RETRIES,
         repair: bool = True,
+        speculative: int = 0,
     ):
         self.client = client
         self.sampling = sampling
@@ -74,6 +75,7 @@ class GenerationRun:
         self.route = route
         self.prompt, self.messages, self.prompt_tokens = prompt, messages, prompt_tokens
         self.prefill_retries, self.repair = prefill_retries, repair
+        self.speculative = speculative  # draft tokens a decode step may carry (SessionOpen.speculative)
         self.session_id = uuid.uuid4().hex
         self.owner = client.owner
         self.progress = GenerationProgress(self.session_id, "", model_preset, [], 0, owner=self.owner)
@@ -116,11 +118,7 @@ class GenerationRun:
                         async for queued in self._start():  # "queued" telemetry while the swarm is full
                             yield queued
                         need_start = False
-                    async for event in self._route_events():
-                        if isinstance(event, M.TokenDelta):
-                            if event.index < len(self.generated):
-                                continue  # a repaired route re-sent a token already delivered
-                            self.generated.append(event.token_id)
+                    async for event in self._in_order(self._route_events()):
                         yield event
                         if isinstance(event, M.TokenDelta) and event.finished:
                             return
@@ -131,6 +129,22 @@ class GenerationRun:
             raise
         finally:
             await self._close()
+
+    async def _in_order(self, events: AsyncIterator[M.TokenDelta | M.GenerationTelemetry]):
+        """Token deltas in index order, each once: a repaired route re-sends tokens already
+        delivered, and a speculative step's several tokens may overtake each other on the way."""
+        early: dict[int, M.TokenDelta] = {}
+        async for event in events:
+            if not isinstance(event, M.TokenDelta):
+                yield event
+                continue
+            if event.index > len(self.generated):
+                early[event.index] = event
+                continue
+            while event is not None and event.index == len(self.generated):
+                self.generated.append(event.token_id)
+                yield event
+                event = early.pop(len(self.generated), None)
 
     def _into_queue(self, kind: str):
         async def cb(msg) -> None:
@@ -239,6 +253,7 @@ class GenerationRun:
             sampling=self.sampling,
             prompt=prompt,  # the tail writes it into the validation event
             owner=self.owner,
+            speculative=self.speculative,
             **self.hop_keys(self.live_route, hop_index),
         )
 

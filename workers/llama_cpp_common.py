@@ -400,12 +400,13 @@ class LlamaCppModel:
         """Run the rows of ``parts`` in one llama_decode.
 
         want == "hidden": per part, the boundary rows [n, n_embd] (needs the tap);
-        want == "logits": per part, the logits of its last row [n_vocab].
+        want == "logits": per part, the logits of its last row [n_vocab];
+        want == "rows": per part, the logits of every row [n, n_vocab] (a speculative step's check).
         """
         embd = parts[0].x.ndim == 2
         with self.lock:
             batch = self._batch(embd)
-            last_rows = batch.fill(parts, outputs="all" if want == "hidden" else "last")
+            last_rows = batch.fill(parts, outputs="last" if want == "logits" else "all")
             if self.tap is not None:
                 self.tap.armed = want == "hidden"
             rc = L.llama_decode(self.ctx, batch.raw)
@@ -423,11 +424,16 @@ class LlamaCppModel:
                     out.append(rows[start : start + part.x.shape[0]].copy())
                     start += part.x.shape[0]
                 return out
-            logits = []
-            for i in last_rows:
-                ptr = L.llama_get_logits_ith(self.ctx, i)
-                logits.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
-            return logits
+            if want == "rows":
+                return [self._logits(range(end - part.x.shape[0] + 1, end + 1)) for part, end in zip(parts, last_rows)]
+            return [self._logits([i])[0] for i in last_rows]
+
+    def _logits(self, rows) -> np.ndarray:
+        """The logits of the given batch rows [len(rows), n_vocab] (copied out of llama.cpp's buffer)."""
+        out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+        for k, i in enumerate(rows):
+            out[k] = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+        return out
 
     # -- sequences -------------------------------------------------------------------------
 

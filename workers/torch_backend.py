@@ -133,6 +133,23 @@ class TorchBackend(Backend):
         self.forward_calls += 1
         return list(out.float().numpy())
 
+    def _forward_rows(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
+        by_length: dict[int, list[int]] = {}  # one torch call per step length (a [B, T] batch)
+        for k, (_, _, x) in enumerate(steps):
+            by_length.setdefault(x.shape[0], []).append(k)
+        result: list[np.ndarray] = [None] * len(steps)  # type: ignore[list-item]
+        for ks in by_length.values():
+            out = self.model(
+                self._model_input([steps[k][2] for k in ks]),
+                [self._caches[steps[k][0]] for k in ks],
+                [steps[k][1] for k in ks],
+                every_row=True,
+            )
+            self.forward_calls += 1
+            for k, rows in zip(ks, out.float().numpy()):
+                result[k] = rows
+        return result
+
     # -- state export ------------------------------------------------------------------------
 
     def _header(self, position: int) -> dict:
