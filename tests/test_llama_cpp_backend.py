@@ -326,7 +326,10 @@ def test_export_import_round_trip(smol_split, smollm2_path, tmp_path):
         out = tail.decode_step("y", pos, head2.decode_step("y", pos, np.array([t], np.int32)))
         assert np.array_equal(out, solo[k + 2])
     with pytest.raises(BadInput, match="positions"):
-        head2.import_state("z", N_CTX, n, blobs[0])  # the blob holds n + 1 positions
+        head2.import_state("z", N_CTX, n + 2, blobs[0])  # the blob holds n + 1 positions
+    head2.import_state("z", N_CTX, n, blobs[0])  # the last one (a speculative step's draft) dropped
+    assert head2.session_position("z") == n and head2.model.seq_pos_max(head2._seq["z"]) == n - 1
+    head2.close_session("z")
     with pytest.raises(BadInput):
         head2.import_state("z", N_CTX, n + 1, b"not a llama.cpp state")
     assert set(head2.sessions()) == {"other", "y"}  # failed imports hold no slot

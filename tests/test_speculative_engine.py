@@ -18,7 +18,6 @@ from neuron_bus.worker.engine import HopEngine, Incoming, Output
 from neuron_bus.worker.tail import TailDecoder
 from tests.test_engine import N_CTX, Route, greedy
 
-
 LOOP = [1, 5, 9, 13, 17, 21, 25, 5, 9, 13, 17]  # a prompt that repeats itself: drafts to be had
 SEEDED = M.SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=24, ignore_eos=True)
 

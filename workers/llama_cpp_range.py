@@ -238,7 +238,7 @@ class LlamaCppRangeBackend(Backend):
         try:
             self.model.set_seq_state(seq, blob)
             held = self.model.seq_pos_max(seq) + 1
-            if held != position:
+            if held < position or (held > position and not self.model.forget_from(seq, position)):
                 raise BadInput(f"the state holds {held} positions, not {position}")
         except BaseException:
             self._release_slot(session_id)

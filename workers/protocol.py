@@ -184,7 +184,9 @@ class Backend(abc.ABC):
         return self._export(session_id)
 
     def import_state(self, session_id: str, n_ctx: int, position: int, blob: bytes) -> None:
-        """Open ``session_id`` from an exported blob holding positions [0, position)."""
+        """Open ``session_id`` from an exported blob holding positions [0, position) and perhaps more
+        (a speculative step's drafts, exported before the next step said which were kept): those
+        beyond ``position`` are dropped."""
         if session_id in self._sessions:
             raise SessionExists(f"session {session_id} is already open")
         self._import(session_id, n_ctx, position, blob)

@@ -188,19 +188,22 @@ class TorchBackend(Backend):
             header = json.loads(blob[start : start + n])
         except ValueError as e:
             raise BadInput(f"corrupt snapshot header: {e}") from None
-        expected = self._header(position)
+        held = header.get("position")  # may exceed position: a speculative step's drafts, dropped here
+        if not (isinstance(held, int) and position <= held <= n_ctx):
+            held = position
+        expected = self._header(held)
         if header != expected:
             diff = {k: (header.get(k), v) for k, v in expected.items() if header.get(k) != v}
             raise BadInput(f"snapshot does not fit this backend (got, expected): {diff}")
         cache = self.model.new_cache(n_ctx)
         body = blob[start + n :]
-        half = cache.k[:, :position].nbytes
+        half = cache.k[:, :held].nbytes
         if len(body) != 2 * half:
             raise BadInput(f"snapshot body is {len(body)} bytes, expected {2 * half}")
         if half:
             for dst, lo in ((cache.k, 0), (cache.v, half)):
                 raw = torch.frombuffer(bytearray(body[lo : lo + half]), dtype=torch.uint8)
-                dst[:, :position] = raw.view(self.dtype).view(dst[:, :position].shape)
+                dst[:, :position] = raw.view(self.dtype).view(dst[:, :held].shape)[:, :position]
         self._caches[session_id] = cache
 
     def close(self) -> None:
