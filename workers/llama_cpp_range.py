@@ -56,6 +56,7 @@ class LlamaCppRangeBackend(Backend):
         flash_attn: bool = True,
         kv_type: str = "f16",
         benchmark: bool = True,
+        native_tap: bool = True,
     ):
         file = Path(path)
         held = _file_layers(file)
@@ -78,6 +79,7 @@ class LlamaCppRangeBackend(Backend):
             n_threads=n_threads,
             config=self.config,
             tap_output=end < n_layers,
+            native_tap=native_tap,
         )
         super().__init__(
             layer_start=start,
