@@ -262,6 +262,7 @@ class NeuronClient:
         prefill_retries: int = PREFILL_RETRIES,
         repair: bool = True,
         policy: str = "public",
+        speculative: int = 0,
     ) -> AsyncGenerator[M.TokenDelta | M.GenerationTelemetry, None]:
         """Yield telemetry and token deltas; raise RouteError on a failed route.
 
@@ -269,6 +270,8 @@ class NeuronClient:
         (``prefill_retries`` times); a hop lost during decode is replaced when a compatible
         replacement and snapshot exist (``repair``, see repair.py), otherwise the session fails.
         ``policy`` (public, private, paid-trusted) is asked of the tracker for every route it plans.
+        ``speculative`` k > 0: decode steps carry up to k draft tokens that every hop checks in one
+        call (the output is plain decoding's, greedy or seeded; see worker/drafting.py).
         """
         run = GenerationRun(
             self,
@@ -284,6 +287,7 @@ class NeuronClient:
             prompt_tokens=prompt_tokens,
             prefill_retries=prefill_retries,
             repair=repair,
+            speculative=speculative,
         )
         async with aclosing(run.events()) as events:  # a caller that stops early closes the session at once
             async for event in events:

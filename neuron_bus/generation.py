@@ -68,6 +68,7 @@ class GenerationRun:
         prompt_tokens: list[int] | None,
         prefill_retries: int = PREFILL_RETRIES,
         repair: bool = True,
+        speculative: int = 0,
     ):
         self.client = client
         self.sampling = sampling
@@ -76,6 +77,7 @@ class GenerationRun:
         self.route = route
         self.prompt, self.messages, self.prompt_tokens = prompt, messages, prompt_tokens
         self.prefill_retries, self.repair = prefill_retries, repair
+        self.speculative = speculative  # draft tokens a decode step may carry (SessionOpen.speculative)
         self.session_id = uuid.uuid4().hex
         self.owner = client.owner
         self.progress = GenerationProgress(self.session_id, "", model_preset, [], 0, owner=self.owner)
@@ -119,9 +121,7 @@ class GenerationRun:
                         async for queued in self._start():  # "queued" telemetry while the swarm is full
                             yield queued
                         need_start = False
-                    async for event in self._route_events():
-                        if isinstance(event, M.TokenDelta):
-                            self.generated.append(event.token_id)
+                    async for event in self._in_order(self._route_events()):
                         yield event
                         if isinstance(event, M.TokenDelta) and event.finished:
                             return
@@ -132,6 +132,23 @@ class GenerationRun:
             raise
         finally:
             await self._close()
+
+    async def _in_order(self, events: AsyncIterator[M.TokenDelta | M.GenerationTelemetry]):
+        """Token deltas in index order, each once: a repaired route re-sends tokens already
+        delivered, and a speculative step's several tokens may overtake each other on the way."""
+        early: dict[int, M.TokenDelta] = {}
+        async for event in events:
+            if not isinstance(event, M.TokenDelta):
+                yield event
+                continue
+            if event.index > len(self.generated):
+                early[event.index] = event
+                continue
+            delta: M.TokenDelta | None = event
+            while delta is not None and delta.index == len(self.generated):
+                self.generated.append(delta.token_id)
+                yield delta
+                delta = early.pop(len(self.generated), None)
 
     def _into_queue(self, kind: str):
         async def cb(msg) -> None:
@@ -240,6 +257,7 @@ class GenerationRun:
             sampling=self.sampling,
             prompt=prompt,  # the tail writes it into the validation event
             owner=self.owner,
+            speculative=self.speculative,
             **self.hop_keys(self.live_route, hop_index),
         )
 
@@ -327,13 +345,13 @@ class GenerationRun:
             yield event
 
     def _next_token(self, event: M.TokenDelta) -> bool:
-        """Is ``event`` the next token? One already delivered (a repaired route, or read again from
-        the stream) is not; one past a gap means a token was missed: the stream is read for it."""
+        """Is ``event`` a token still to deliver? One already delivered (a repaired route, or read
+        again from the stream) is not; one past a gap is (`_in_order` holds it back), and the
+        stream is read for the ones missing in between."""
         if event.session_id != self.session_id or event.index < len(self.generated):
             return False
         if event.index > len(self.generated):
             self.queue.put_nowait(("catch_up", None))
-            return False
         return True
 
     async def _catch_up(self) -> None:

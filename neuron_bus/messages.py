@@ -22,6 +22,7 @@ from workers.errors import Reason
 from workers.protocol import Capability as BackendCapability  # the backends' own report: workers/ owns that interface
 
 SCHEMA_VERSION = 1
+MAX_SPECULATIVE = 16  # draft tokens one decode step may carry at most (SessionOpen.speculative)
 
 Phase = Literal["queued", "loading", "prefill", "decode", "done", "failed"]
 ActivationPhase = Literal["prefill", "decode"]
@@ -266,6 +267,11 @@ class SessionOpen(Struct, tag_field="op", tag="open"):
     input_key: str = ""
     output_key: str = ""
     encrypt: bool = False  # activation bodies (and snapshots) sealed with AEAD
+    # speculative ring steps: a decode step may carry up to this many draft tokens after its token
+    # (the tail drafts them from the session's own text and keeps the ones it agrees with; every
+    # hop runs the step's positions in one call and drops the rejected ones). 0: plain decoding;
+    # at most MAX_SPECULATIVE
+    speculative: int = 0
 
 
 class SessionOpened(Struct, tag_field="type", tag="opened"):
@@ -487,6 +493,8 @@ class GenerationTelemetry(Struct):
     failure_phase: Phase | None = None  # the last phase before the failure
     failure_node: str | None = None
     queue_position: int | None = None  # phase queued: generations ahead of this one, waiting for a free slot
+    draft_tokens: int = 0  # speculative sessions: draft tokens sent around the ring so far
+    accepted_draft_tokens: int = 0  # of which the tail's own choice agreed with (each one a token)
     ts: float = 0.0
 
 

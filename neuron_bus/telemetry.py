@@ -41,6 +41,8 @@ class GenerationProgress:
         self.failure_phase: M.Phase | None = None
         self.failure_node: str | None = None
         self.queue_position: int | None = None
+        self.draft_tokens = 0
+        self.accepted_draft_tokens = 0
         self._first_token_at: float | None = None
         self._recent: deque[float] = deque()
         self._last_sent = 0.0
@@ -113,6 +115,8 @@ class GenerationProgress:
             failure_phase=self.failure_phase,
             failure_node=self.failure_node,
             queue_position=self.queue_position,
+            draft_tokens=self.draft_tokens,
+            accepted_draft_tokens=self.accepted_draft_tokens,
             ts=time.time(),
         )
 

@@ -61,8 +61,11 @@ class Route:
             HopEngine(f"n{i}", abi[i], b, self.tokenizer, AuditTrail(None, None), EngineOptions(**opts))
             for i, b in enumerate(self.backends)
         ]
+        self.prompts: dict[str, tuple[list[int], int]] = {}  # session -> its prompt and chunk size
 
-    def open(self, sid: str, prompt=PROMPT, max_tokens: int = 8, chunk_size: int = 4) -> None:
+    def open(
+        self, sid: str, prompt=PROMPT, max_tokens: int = 8, chunk_size: int = 4, sampling=None, speculative: int = 0
+    ) -> None:
         for i, e in enumerate(self.engines):
             req = M.SessionOpen(
                 session_id=sid,
@@ -71,8 +74,11 @@ class Route:
                 prompt_tokens=len(prompt),
                 n_ctx=len(prompt) + max_tokens,
                 chunk_size=chunk_size,
-                sampling=M.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                sampling=sampling or M.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                prompt=list(prompt) if i == len(self.engines) - 1 else None,
+                speculative=speculative,
             )
+            self.prompts[sid] = (list(prompt), chunk_size)
             e.check_open(req)
             e.backend.open_session(sid, req.n_ctx)
             e.add(req)
@@ -94,7 +100,8 @@ class Route:
 
     def run(self, sids: list[str]) -> dict[str, list[int]]:
         """Prefill every session, then run the ring until each has its last token; the tokens by session."""
-        queues: dict[tuple[int, str], list[Incoming]] = {(0, "prefill"): [m for sid in sids for m in self.prompt(sid)]}
+        prompts = [m for sid in sids for m in self.prompt(sid, *self.prompts.get(sid, (PROMPT, 4)))]
+        queues: dict[tuple[int, str], list[Incoming]] = {(0, "prefill"): prompts}
         tokens: dict[str, list[int]] = {sid: [] for sid in sids}
         while any(queues.values()):
             (hop, phase), batch = next((k, v) for k, v in queues.items() if v)

@@ -166,8 +166,10 @@ def test_smollm2_split_2_and_3_ways_in_processes_is_bit_identical(smollm2_path, 
 # -- pinned llama.cpp internals --------------------------------------------------------------------
 
 
-def test_boundary_node_is_last_l_out_and_returning_false_stops_the_graph(tiny_gguf, tmp_path):
-    head = ranged(tiny_gguf, 0, 2, cache_dir=tmp_path, **OPTS)
+@pytest.mark.parametrize("native", [True, False], ids=["C tap", "Python tap"])
+def test_boundary_node_is_last_l_out_and_returning_false_stops_the_graph(tiny_gguf, tmp_path, native):
+    head = ranged(tiny_gguf, 0, 2, cache_dir=tmp_path, native_tap=native, **OPTS)
+    assert head.model.tap.native == native  # this machine has a C compiler (llama-cpp-python needed one)
     head.model.tap.trace = []
     head.open_session("a", N_CTX)
     hidden = head.prefill("a", 0, np.arange(3, 11, dtype=np.int32))
@@ -184,6 +186,25 @@ def test_boundary_node_is_last_l_out_and_returning_false_stops_the_graph(tiny_gg
     assert "result_norm" in head.model.tap.trace and "result_output" in head.model.tap.trace
     assert head.session_position("a") == 8  # the failed call left the session where it was
     head.close()
+
+
+def test_the_c_tap_hands_over_the_python_taps_rows_bit_for_bit(smollm2_path, tmp_path):
+    """The eval callback in C (workers/native_tap.py) against the Python one, on SmolLM2's first
+    19 layers: a prefill, decode steps, and a speculative step's rows of two sessions in one call."""
+    native, python = (ranged(smollm2_path, 0, 19, cache_dir=tmp_path, native_tap=n, **OPTS) for n in (True, False))
+    ids = np.arange(100, 140, dtype=np.int32)
+    for b in (native, python):
+        b.open_session("a", N_CTX)
+        b.open_session("b", N_CTX)
+    assert np.array_equal(native.prefill("a", 0, ids[:30]), python.prefill("a", 0, ids[:30]))
+    assert np.array_equal(native.prefill("b", 0, ids[:30]), python.prefill("b", 0, ids[:30]))
+    for p in range(30, 33):
+        assert np.array_equal(native.decode_step("a", p, ids[p : p + 1]), python.decode_step("a", p, ids[p : p + 1]))
+    steps = [("a", 33, ids[33:37]), ("b", 30, ids[30:34])]
+    for x, y in zip(native.decode_rows(steps), python.decode_rows(steps)):
+        assert np.array_equal(x, y)
+    native.close()
+    python.close()
 
 
 def test_tiny_split_matches_whole_model_for_any_prefill_chunking(tiny_gguf, tmp_path):
@@ -326,7 +347,10 @@ def test_export_import_round_trip(smol_split, smollm2_path, tmp_path):
         out = tail.decode_step("y", pos, head2.decode_step("y", pos, np.array([t], np.int32)))
         assert np.array_equal(out, solo[k + 2])
     with pytest.raises(BadInput, match="positions"):
-        head2.import_state("z", N_CTX, n, blobs[0])  # the blob holds n + 1 positions
+        head2.import_state("z", N_CTX, n + 2, blobs[0])  # the blob holds n + 1 positions
+    head2.import_state("z", N_CTX, n, blobs[0])  # the last one (a speculative step's draft) dropped
+    assert head2.session_position("z") == n and head2.model.seq_pos_max(head2._seq["z"]) == n - 1
+    head2.close_session("z")
     with pytest.raises(BadInput):
         head2.import_state("z", N_CTX, n + 1, b"not a llama.cpp state")
     assert set(head2.sessions()) == {"other", "y"}  # failed imports hold no slot

@@ -308,7 +308,10 @@ def test_import_rejects_mismatched_snapshots(tiny):
     with pytest.raises(BadInput):
         backend(tiny, 0, 2, "bfloat16").import_state("s", 16, 4, blob)  # other cache ABI
     with pytest.raises(BadInput):
-        src.import_state("t", 16, 3, blob)  # wrong position
+        src.import_state("t", 16, 5, blob)  # wrong position: the blob holds 4
+    src.import_state("t", 16, 3, blob)  # positions beyond 3 (a speculative step's drafts) are dropped
+    assert src.session_position("t") == 3
+    src.close_session("t")
     with pytest.raises(BadInput):
         src.import_state("t", 2, 4, blob)  # does not fit n_ctx
     with pytest.raises(BadInput):

@@ -32,6 +32,7 @@ class Reason(StrEnum):
     BAD_SLICE = "bad_slice"
     BAD_SPEC = "bad_spec"
     BUS_UNREACHABLE = "bus_unreachable"
+    CANNOT_SPECULATE = "cannot_speculate"
     CORRUPT = "corrupt"
     CORRUPT_ZSTD = "corrupt_zstd"
     DRAINING = "draining"

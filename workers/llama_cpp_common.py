@@ -7,7 +7,9 @@ backends share.
   lives here and is spelled out in ``cache_abi``; slices and the full-model reference must agree.
 - ``LayerOutputTap``: the context's eval callback; it copies the residual output of the last
   layer (graph node ``l_out-<n-1>``) and returns False, which stops the graph there (no output
-  norm, no lm_head on non-tail hops).
+  norm, no lm_head on non-tail hops). ``NativeLayerOutputTap`` is the same callback in C
+  (workers/native_tap.py), the default wherever a C compiler is: llama.cpp calls it for every
+  graph node, which costs a Python callback half a millisecond per decode.
 - ``LlamaCppModel``: a loaded GGUF plus one context with one KV stream per session slot; it runs
   rows of tokens or hidden states for one or several sequences in one ``llama_decode``.
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import llama_cpp as L
 import numpy as np
 
+from workers import native_tap
 from workers.errors import BackendError, BadInput, Reason, UnsupportedModel
 
 _LIB_DIR = pathlib.Path(L.__file__).resolve().parent / "lib"
@@ -146,8 +149,11 @@ class LayerOutputTap:
     architectures, see ``layer_output_node``) every ubatch, and stop the graph there.
 
     llama_decode may split a batch into several ubatches; each one runs the graph once, so the
-    rows are collected in call order and concatenated by ``take``.
+    rows are collected in call order and concatenated by ``take``. This is the Python callback:
+    the fallback where no C compiler is, and the reference the native one is tested against.
     """
+
+    native = False
 
     def __init__(self, n_layer: int, n_embd: int, arch: str = "llama"):
         self.node = layer_output_node(arch, n_layer - 1).encode()
@@ -155,12 +161,14 @@ class LayerOutputTap:
         self.armed = False  # only decodes of a non-tail hop read the boundary
         self._chunks: list[np.ndarray | None] = []  # None: a node of the wrong shape (take() says so)
         self.trace: list[str] | None = None  # set to [] to record the nodes offered (tests)
+        self._g = ggml()
         self.callback = L.ggml_backend_sched_eval_callback(self._eval)
+        self.user_data = None
 
     def _eval(self, tensor, ask, _user) -> bool:
         if not self.armed:
             return not ask  # observe nothing, never stop
-        g = ggml()
+        g = self._g
         if ask:
             name = g.get_name(tensor)
             if self.trace is not None:
@@ -184,11 +192,97 @@ class LayerOutputTap:
     def take(self) -> np.ndarray:
         chunks, self._chunks = self._chunks, []
         if not chunks:
-            raise LlamaCppError(f"graph node {self.node.decode()} was never computed")
+            raise _never_computed(self.node)
         rows = [c for c in chunks if c is not None]
         if len(rows) != len(chunks):
-            raise LlamaCppError(f"graph node {self.node.decode()} is not a float32 [rows, n_embd] tensor")
+            raise _wrong_shape(self.node)
         return np.concatenate(rows) if len(rows) > 1 else rows[0]
+
+
+def _never_computed(node: bytes) -> LlamaCppError:
+    return LlamaCppError(f"graph node {node.decode()} was never computed")
+
+
+def _wrong_shape(node: bytes) -> LlamaCppError:
+    return LlamaCppError(f"graph node {node.decode()} is not a float32 [rows, n_embd] tensor")
+
+
+class NativeLayerOutputTap:
+    """`LayerOutputTap` in C (workers/native_tap.py): the same calls, the same results, no Python
+    per graph node. Each ubatch's rows are appended to one buffer of ``capacity`` rows."""
+
+    native = True
+    TRACE_BYTES = 1 << 20
+
+    def __init__(self, lib: ctypes.CDLL, n_layer: int, n_embd: int, arch: str = "llama", capacity: int = 512):
+        self.n_embd = n_embd
+        self._buf = np.empty((capacity, n_embd), dtype=np.float32)
+        self._trace_buf: ctypes.Array | None = None
+        g = ggml()
+        st = self._state = native_tap.TapState()
+        for field in ("get_name", "nbytes", "nrows", "tensor_get"):
+            setattr(st, field, ctypes.cast(getattr(g, field), ctypes.c_void_p).value)
+        st.n_embd, st.buf, st.cap = n_embd, self._buf.ctypes.data, self._buf.nbytes
+        self.node = layer_output_node(arch, n_layer - 1).encode()
+        self.callback = ctypes.cast(lib.neuron_tap_eval, L.ggml_backend_sched_eval_callback)
+        self.user_data = ctypes.cast(ctypes.pointer(st), ctypes.c_void_p)
+
+    @property
+    def node(self) -> bytes:
+        return self._state.node
+
+    @node.setter
+    def node(self, name: bytes) -> None:
+        if len(name) >= 64:
+            raise BadInput(f"graph node name {name!r} is longer than 63 bytes")
+        self._state.node = name
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._state.armed)
+
+    @armed.setter
+    def armed(self, on: bool) -> None:
+        self._state.armed = int(on)
+
+    @property
+    def trace(self) -> list[str] | None:
+        """The names of the nodes offered since tracing was set on (``trace = []``); None: off."""
+        if self._trace_buf is None:
+            return None
+        return ctypes.string_at(self._trace_buf, self._state.trace_used).decode().splitlines()
+
+    @trace.setter
+    def trace(self, value: list[str] | None) -> None:
+        self._trace_buf = None if value is None else ctypes.create_string_buffer(self.TRACE_BYTES)
+        self._state.trace = None if self._trace_buf is None else ctypes.cast(self._trace_buf, ctypes.c_void_p).value
+        self._state.trace_cap, self._state.trace_used = (self.TRACE_BYTES if value is not None else 0), 0
+
+    def take_nothing(self) -> None:
+        st = self._state
+        st.used = st.chunks = st.bad = 0
+
+    def take(self) -> np.ndarray:
+        st = self._state
+        chunks, bad, rows = st.chunks, st.bad, st.used // (self.n_embd * 4)
+        self.take_nothing()
+        if bad == 2:
+            raise LlamaCppError(f"more boundary rows than the tap's buffer of {self._buf.shape[0]}")
+        if bad:
+            raise _wrong_shape(self.node)
+        if not chunks:
+            raise _never_computed(self.node)
+        return self._buf[:rows].copy()
+
+
+def layer_output_tap(
+    n_layer: int, n_embd: int, arch: str, capacity: int, native: bool = True
+) -> LayerOutputTap | NativeLayerOutputTap:
+    """The native tap when it can be built (and ``native``), else the Python one."""
+    lib = native_tap.build() if native else None
+    if lib is None:
+        return LayerOutputTap(n_layer, n_embd, arch)
+    return NativeLayerOutputTap(lib, n_layer, n_embd, arch, capacity)
 
 
 # -- batches ------------------------------------------------------------------------------------
@@ -307,6 +401,7 @@ class LlamaCppModel:
         n_threads: int,
         config: ContextConfig,
         tap_output: bool,
+        native_tap: bool = True,
     ):
         quiet_logs()
         mark = len(_errors)
@@ -329,7 +424,7 @@ class LlamaCppModel:
         self.pos_streams = 4 if L.llama_model_rope_type(self.model) in multi else 1
         self.n_slots = n_slots
         self.n_batch = n_batch
-        self.tap = LayerOutputTap(self.n_layer, self.n_embd, self.arch) if tap_output else None
+        self.tap = layer_output_tap(self.n_layer, self.n_embd, self.arch, n_batch, native_tap) if tap_output else None
 
         cparams = L.llama_context_default_params()
         cparams.n_ctx = n_ctx_slot * n_slots
@@ -348,7 +443,7 @@ class LlamaCppModel:
         cparams.swa_full = True  # sliding-window layers keep a full-size cache: a slot's size is n_ctx cells
         if self.tap is not None:
             cparams.cb_eval = self.tap.callback
-            cparams.cb_eval_user_data = None
+            cparams.cb_eval_user_data = self.tap.user_data
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             L.llama_model_free(self.model)
@@ -400,12 +495,13 @@ class LlamaCppModel:
         """Run the rows of ``parts`` in one llama_decode.
 
         want == "hidden": per part, the boundary rows [n, n_embd] (needs the tap);
-        want == "logits": per part, the logits of its last row [n_vocab].
+        want == "logits": per part, the logits of its last row [n_vocab];
+        want == "rows": per part, the logits of every row [n, n_vocab] (a speculative step's check).
         """
         embd = parts[0].x.ndim == 2
         with self.lock:
             batch = self._batch(embd)
-            last_rows = batch.fill(parts, outputs="all" if want == "hidden" else "last")
+            last_rows = batch.fill(parts, outputs="last" if want == "logits" else "all")
             if self.tap is not None:
                 self.tap.armed = want == "hidden"
             rc = L.llama_decode(self.ctx, batch.raw)
@@ -423,11 +519,16 @@ class LlamaCppModel:
                     out.append(rows[start : start + part.x.shape[0]].copy())
                     start += part.x.shape[0]
                 return out
-            logits = []
-            for i in last_rows:
-                ptr = L.llama_get_logits_ith(self.ctx, i)
-                logits.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
-            return logits
+            if want == "rows":
+                return [self._logits(range(end - part.x.shape[0] + 1, end + 1)) for part, end in zip(parts, last_rows)]
+            return [self._logits([i])[0] for i in last_rows]
+
+    def _logits(self, rows) -> np.ndarray:
+        """The logits of the given batch rows [len(rows), n_vocab] (copied out of llama.cpp's buffer)."""
+        out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+        for k, i in enumerate(rows):
+            out[k] = np.ctypeslib.as_array(L.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+        return out
 
     # -- sequences -------------------------------------------------------------------------
 

@@ -56,6 +56,7 @@ class LlamaCppRangeBackend(Backend):
         flash_attn: bool = True,
         kv_type: str = "f16",
         benchmark: bool = True,
+        native_tap: bool = True,
     ):
         file = Path(path)
         held = _file_layers(file)
@@ -78,6 +79,7 @@ class LlamaCppRangeBackend(Backend):
             n_threads=n_threads,
             config=self.config,
             tap_output=end < n_layers,
+            native_tap=native_tap,
         )
         super().__init__(
             layer_start=start,
@@ -187,11 +189,30 @@ class LlamaCppRangeBackend(Backend):
     def _forward_batch(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
         if len(steps) > self.model.n_batch or len({sid for sid, _, _ in steps}) != len(steps):
             return super()._forward_batch(steps)
+        return self._decode_together(steps, self._want)
+
+    def _forward_rows(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
+        # Steps of equal length run together: llama.cpp splits a batch of several sequences into
+        # micro-batches of equally many rows per sequence, and the boundary tap sees the rows in
+        # micro-batch order, which is the batch's order only when every sequence has as many rows.
+        by_length: dict[int, list[int]] = {}
+        for k, (_, _, x) in enumerate(steps):
+            by_length.setdefault(x.shape[0], []).append(k)
+        result: list[np.ndarray] = [None] * len(steps)  # type: ignore[list-item]
+        for ks in by_length.values():
+            if sum(steps[k][2].shape[0] for k in ks) > self.model.n_batch:
+                raise BadInput(f"a decode batch of more than {self.model.n_batch} rows")
+            for k, out in zip(ks, self._decode_together([steps[k] for k in ks], "rows" if self.is_tail else "hidden")):
+                result[k] = out
+        return result
+
+    def _decode_together(self, steps: list[tuple[str, int, np.ndarray]], want: str) -> list[np.ndarray]:
+        """One llama_decode for ``steps`` (distinct sessions); a failed call leaves no cells behind."""
         # Rows in sequence-id order: the order llama.cpp runs sequences of one batch in.
         order = sorted(range(len(steps)), key=lambda k: self._seq[steps[k][0]])
         parts = [Rows(self._seq[steps[k][0]], steps[k][1], steps[k][2]) for k in order]
         try:
-            outs = self.model.decode(parts, self._want)
+            outs = self.model.decode(parts, want)
         except BaseException:
             for part in parts:
                 self.model.forget_from(part.seq_id, part.position)
@@ -219,7 +240,7 @@ class LlamaCppRangeBackend(Backend):
         try:
             self.model.set_seq_state(seq, blob)
             held = self.model.seq_pos_max(seq) + 1
-            if held != position:
+            if held < position or (held > position and not self.model.forget_from(seq, position)):
                 raise BadInput(f"the state holds {held} positions, not {position}")
         except BaseException:
             self._release_slot(session_id)

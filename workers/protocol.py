@@ -153,6 +153,22 @@ class Backend(abc.ABC):
             self._advance(sid, 1)
         return outs
 
+    def decode_rows(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
+        """Decode steps of one or more positions each, for several sessions in one call.
+
+        A speculative step carries the last sampled token and the drafts that may follow it; every
+        row is computed and every row's output returned: hidden states [n, hidden], or at the tail
+        the logits of every row [n, vocab] (the tail checks each draft against its own choice).
+        """
+        if len({sid for sid, _, _ in steps}) != len(steps):
+            raise BadInput("a decode batch carries each session at most once")
+        for sid, pos, x in steps:
+            self._check(sid, pos, x)
+        outs = self._forward_rows([(sid, pos, self._as_input(x)) for sid, pos, x in steps])
+        for sid, _, x in steps:
+            self._advance(sid, x.shape[0])
+        return outs
+
     # -- state export (snapshots) and route repair ------------------------------------------
 
     def truncate(self, session_id: str, position: int) -> None:
@@ -168,7 +184,9 @@ class Backend(abc.ABC):
         return self._export(session_id)
 
     def import_state(self, session_id: str, n_ctx: int, position: int, blob: bytes) -> None:
-        """Open ``session_id`` from an exported blob holding positions [0, position)."""
+        """Open ``session_id`` from an exported blob holding positions [0, position) and perhaps more
+        (a speculative step's drafts, exported before the next step said which were kept): those
+        beyond ``position`` are dropped."""
         if session_id in self._sessions:
             raise SessionExists(f"session {session_id} is already open")
         self._import(session_id, n_ctx, position, blob)
@@ -233,6 +251,14 @@ class Backend(abc.ABC):
     def _forward(self, session_id: str, position: int, x: np.ndarray) -> np.ndarray: ...
 
     def _forward_batch(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
+        outs = [self._forward(sid, pos, x) for sid, pos, x in steps]
+        self.forward_calls += len(steps)
+        return outs
+
+    def _forward_rows(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
+        """Every row's output of each step (see `decode_rows`); hidden states are per row already."""
+        if self.is_tail:
+            raise NotImplementedError(f"{self.backend_id} cannot return the logits of every row")
         outs = [self._forward(sid, pos, x) for sid, pos, x in steps]
         self.forward_calls += len(steps)
         return outs

@@ -133,6 +133,23 @@ class TorchBackend(Backend):
         self.forward_calls += 1
         return list(out.float().numpy())
 
+    def _forward_rows(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
+        by_length: dict[int, list[int]] = {}  # one torch call per step length (a [B, T] batch)
+        for k, (_, _, x) in enumerate(steps):
+            by_length.setdefault(x.shape[0], []).append(k)
+        result: list[np.ndarray] = [None] * len(steps)  # type: ignore[list-item]
+        for ks in by_length.values():
+            out = self.model(
+                self._model_input([steps[k][2] for k in ks]),
+                [self._caches[steps[k][0]] for k in ks],
+                [steps[k][1] for k in ks],
+                every_row=True,
+            )
+            self.forward_calls += 1
+            for k, rows in zip(ks, out.float().numpy()):
+                result[k] = rows
+        return result
+
     # -- state export ------------------------------------------------------------------------
 
     def _header(self, position: int) -> dict:
@@ -171,19 +188,22 @@ class TorchBackend(Backend):
             header = json.loads(blob[start : start + n])
         except ValueError as e:
             raise BadInput(f"corrupt snapshot header: {e}") from None
-        expected = self._header(position)
+        held = header.get("position")  # may exceed position: a speculative step's drafts, dropped here
+        if not (isinstance(held, int) and position <= held <= n_ctx):
+            held = position
+        expected = self._header(held)
         if header != expected:
             diff = {k: (header.get(k), v) for k, v in expected.items() if header.get(k) != v}
             raise BadInput(f"snapshot does not fit this backend (got, expected): {diff}")
         cache = self.model.new_cache(n_ctx)
         body = blob[start + n :]
-        half = cache.k[:, :position].nbytes
+        half = cache.k[:, :held].nbytes
         if len(body) != 2 * half:
             raise BadInput(f"snapshot body is {len(body)} bytes, expected {2 * half}")
         if half:
             for dst, lo in ((cache.k, 0), (cache.v, half)):
                 raw = torch.frombuffer(bytearray(body[lo : lo + half]), dtype=torch.uint8)
-                dst[:, :position] = raw.view(self.dtype).view(dst[:, :position].shape)
+                dst[:, :position] = raw.view(self.dtype).view(dst[:, :held].shape)[:, :position]
         self._caches[session_id] = cache
 
     def close(self) -> None:

@@ -246,11 +246,13 @@ class LayerRange(nn.Module):
         return sum(p.nbytes for p in {p.untyped_storage().data_ptr(): p for p in self.parameters()}.values())
 
     @torch.inference_mode()
-    def forward(self, x: torch.Tensor, caches: list[KVCache], positions: list[int]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, caches: list[KVCache], positions: list[int], every_row: bool = False
+    ) -> torch.Tensor:
         """x: token ids [B, T] on the head, hidden [B, T, hidden] elsewhere.
 
         Returns hidden [B, T, hidden] (compute dtype), or on the tail the logits of each row's last
-        position, float32 [B, vocab].
+        position, float32 [B, vocab] (``every_row``: of every position, [B, T, vocab]).
         """
         h = self.tok_embeddings(x) if self.is_head else x.to(self.dtype)
         T = h.shape[1]
@@ -260,7 +262,7 @@ class LayerRange(nn.Module):
             h = block(h, angles, caches, i, positions)
         if not self.is_tail:
             return h
-        return self.lm_head(self.norm(h[:, -1])).float()
+        return self.lm_head(self.norm(h if every_row else h[:, -1])).float()
 
 
 # -- loading from GGUF -----------------------------------------------------------------------

@@ -69,6 +69,7 @@ async def run_generation(
     as_json: bool,
     out=sys.stdout,
     policy: str = "public",
+    speculative: int = 0,
 ) -> dict:
     """Stream one generation: text to ``out``, a progress bar and tok/s to stderr."""
     err = Console(stderr=True)
@@ -86,6 +87,7 @@ async def run_generation(
                 model_preset=model,
                 chunk_size=chunk_size,
                 policy=policy,
+                speculative=speculative,
             )
             async for ev in gen:
                 if isinstance(ev, M.GenerationTelemetry):
@@ -150,6 +152,12 @@ def generate(
     encrypt_activations: bool = typer.Option(
         False, "--encrypt-activations", help="Seal activation bodies and snapshots (AEAD) besides their MACs."
     ),
+    speculative: int = typer.Option(
+        0,
+        min=0,
+        max=M.MAX_SPECULATIVE,
+        help="Speculative ring steps: up to this many draft tokens per decode step (same output; 0: off).",
+    ),
 ) -> None:
     """Stream a generation from a running bus."""
     if encrypt_activations:
@@ -174,6 +182,7 @@ def generate(
                 chunk_size=chunk_size,
                 as_json=as_json,
                 policy=policy,
+                speculative=speculative,
             )
         )
     except RouteError as exc:

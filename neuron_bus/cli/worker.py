@@ -198,6 +198,9 @@ def worker(
         None, help="Cache server holding the neuron-snapshots bucket (default: the bus)."
     ),
     session_keys: str = typer.Option("auto", help="Sessions without link keys: required | optional | auto."),
+    draft_policy: str = typer.Option(
+        "adaptive", help="Speculative sessions at the tail: adaptive (the drafts that pay) | all (every draft found)."
+    ),
 ) -> None:
     """Load a layer range of a GGUF model (given, or chosen by the tracker) and serve every route assigned to it."""
     if (model is None) == (artifact is None):
@@ -215,6 +218,8 @@ def worker(
         node = Node(node_id, backend, threads, opts, trust_tiers(trust_tier), slow_ms, fit)
         if snapshot_every < 0 or session_keys not in ("required", "optional", "auto"):
             raise ValueError("--snapshot-every must be 0 (off) or positive; --session-keys required, optional or auto")
+        if draft_policy not in ("adaptive", "all"):
+            raise ValueError(f"--draft-policy must be adaptive or all, got {draft_policy!r}")
         if fit is not None and artifact:
             raise ValueError("--layers auto takes --model (a preset, or any), not --artifact")
         loaded = node.load(first_source(nats, model, artifact, layers, node))
@@ -224,6 +229,7 @@ def worker(
         idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms, snapshot_every=snapshot_every,
         snapshot_url=snapshot_nats, owned_layer_work=loaded[3], fault=fault,
         require_keys={"required": True, "optional": False}.get(session_keys),
+        adaptive_drafts=draft_policy == "adaptive",
     )  # fmt: skip
     try:
         asyncio.run(serve(nats, node, loaded, options, metrics_port))

@@ -216,6 +216,7 @@ class Bus:
             model_preset=p.model,
             chunk_size=self.chunk_size,
             policy=p.req.policy,
+            speculative=p.req.speculative,
         )
         try:
             async with aclosing(gen):

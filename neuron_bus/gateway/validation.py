@@ -83,6 +83,7 @@ class GenRequest:
     top_logprobs: int = 0  # alternatives per token in the answer (0: none)
     extra: dict = field(default_factory=dict)
     policy: str = "public"  # route policy: public | private (trusted nodes only) | paid-trusted
+    speculative: int = 0  # draft tokens per decode step (an extra parameter: `speculative`)
 
 
 async def read_body(request: web.Request, limits: Limits) -> bytes:
@@ -254,6 +255,7 @@ def completion_request(body: dict, limits: Limits) -> GenRequest:
         include_usage=_include_usage(body),
         top_logprobs=n_top or 0,
         policy=_policy(body),
+        speculative=_speculative(body),
     )
 
 
@@ -271,6 +273,7 @@ def chat_request(body: dict, limits: Limits) -> GenRequest:
         include_usage=_include_usage(body),
         top_logprobs=n_top,
         policy=_policy(body),
+        speculative=_speculative(body),
     )
 
 
@@ -290,7 +293,13 @@ def ws_request(body: dict, limits: Limits) -> GenRequest:
         sampling=sampling(body, limits, 256, logprobs=logprobs),
         top_logprobs=TOP_LOGPROBS_MAX if logprobs else 0,
         policy=_policy(body),
+        speculative=_speculative(body),
     )
+
+
+def _speculative(body: dict) -> int:
+    """The extra ``speculative`` parameter: draft tokens per decode step, 0 (plain decoding) to 16."""
+    return get(body, "speculative", int, 0, 0, M.MAX_SPECULATIVE)
 
 
 def _policy(body: dict) -> str:

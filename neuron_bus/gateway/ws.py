@@ -2,7 +2,7 @@
 
 Client -> server (JSON text frames):
   {"type": "generate", "prompt": "..." | "messages": [...], "max_tokens", "temperature", "top_p", "top_k",
-   "seed", "stop", "logprobs", "ignore_eos", "model"}   (one generation at a time per socket)
+   "seed", "stop", "logprobs", "ignore_eos", "model", "speculative"}   (one generation at a time per socket)
   {"type": "attach", "session_id": "..."}               follow an existing session
   {"type": "coverage"}                                   the swarm's coverage and routable models
 Server -> client:

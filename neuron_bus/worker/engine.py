@@ -10,7 +10,9 @@ One batch goes through three calls:
   continuation; a second step of one session in one batch is a replay.
 - `compute(steps, phase)`: the backend call — one batched call for a decode wave, one call for a
   prefill chunk; a batch that fails as a whole is re-run step by step, so only the bad session
-  fails. Touches only the backend: the shell may run it on the backend's thread.
+  fails. A speculative step first drops the previous step's rejected drafts from the cache (it
+  starts where the tail's accepted tokens end), then runs all its positions in one call. Touches
+  only the backend: the shell may run it on the backend's thread.
 - `advance(steps, results)`: the bookkeeping after compute (positions, sequence numbers, the audit
   trail's counts) and each step's outcome: an `Output` (hidden states for the next hop, or at the
   tail the sampled token's delta and the ring step back to hop 0; whether a snapshot is due), a
@@ -46,6 +48,7 @@ class EngineOptions:
     snapshot_every: int = 0  # a snapshot is due whenever a decoding session crosses a multiple of this
     fault: str | None = None  # fault injection for audit tests: "perturb" (trust/fault.py)
     require_keys: bool = False  # refuse sessions opened without link keys (a worker with a credential does)
+    adaptive_drafts: bool = True  # speculative sessions: send the drafts that pay (False: every draft found)
 
 
 @dataclass
@@ -69,6 +72,7 @@ class Step:
     session: HopSession
     header: M.ActivationHeader
     x: np.ndarray
+    compute_s: float = 0.0  # this step's share of its backend call
 
     @property
     def positions(self) -> int:
@@ -103,7 +107,7 @@ class Output:
     step: Step
     sends: list[Send] = field(default_factory=list)
     telemetry: M.GenerationTelemetry | None = None
-    token: TokenStep | None = None  # the tail's sampled token
+    token: TokenStep | None = None  # the tail's sampled token (a speculative step's last one)
     snapshot: bool = False  # export the session's cache once the sends are accepted
 
     @property
@@ -184,6 +188,8 @@ class HopEngine:
         if header.phase != phase:
             raise SessionMismatch(Reason.WRONG_PHASE, f"{header.phase} message on the {phase} subject")
         s = self.sessions.check(header)
+        if s.tail is not None and header.phase == "decode":
+            s.tail.check_step(header.position, header.shape[0] if header.shape else 0)
         if s.open.input_key:  # an authenticated session: nothing unsigned reaches the model
             body = sealing.verify(header, m.data, s.open.input_key, s.open.encrypt)
             if s.open.encrypt:
@@ -207,12 +213,21 @@ class HopEngine:
         if self.opts.slow_ms:
             time.sleep(self.opts.slow_ms / 1000.0)
         b = self.backend
-        if phase == "decode" and len(steps) > 1:
-            outs: list[np.ndarray] = b.decode_batch([(st.session.session_id, st.header.position, st.x) for st in steps])
+        t0 = time.perf_counter()
+        batch = [(st.session.session_id, st.header.position, st.x) for st in steps]
+        if phase == "decode" and any(st.session.open.speculative for st in steps):
+            for sid, position, _ in batch:  # back to where the tail's accepted tokens end
+                if position < b.session_position(sid):
+                    b.truncate(sid, position)
+            outs: list[np.ndarray] = b.decode_rows(batch)
+        elif phase == "decode" and len(steps) > 1:
+            outs = b.decode_batch(batch)
         else:
-            st = steps[0]
             run = b.decode_step if phase == "decode" else b.prefill
-            outs = [run(st.session.session_id, st.header.position, st.x)]
+            outs = [run(*batch[0])]
+        took, rows = time.perf_counter() - t0, sum(st.positions for st in steps)
+        for st in steps:
+            st.compute_s = took * st.positions / rows
         if self.opts.fault:
             outs = [faults.apply(self.opts.fault, out, self._fault_rng) for out in outs]
         return list(outs)
@@ -233,8 +248,9 @@ class HopEngine:
                 prompt = s.hop_index == 0 and st.header.phase == "prefill"
                 outcomes.append(Failed(st, reason, str(result), fatal=not refused or prompt))
             else:
-                before = s.position
-                s.position += st.positions
+                before = st.header.position
+                s.position = before + st.positions  # a speculative step may start below the last one's end
+                s.drafts_held = st.positions - 1 if st.header.phase == "decode" else 0
                 s.seq += 1
                 s.last_used = time.monotonic()
                 self.trail.worked(s.session_id, st.header.phase, st.positions)
@@ -256,21 +272,32 @@ class HopEngine:
             return Output(st, telemetry=s.tail.progress.snapshot() if news else None, snapshot=snapshot)
         return self._token(st, out, end, snapshot)
 
-    def _token(self, st: Step, logits: np.ndarray, position: int, snapshot: bool) -> Output:
+    def _token(self, st: Step, logits: np.ndarray, end: int, snapshot: bool) -> Output:
+        """The tail's tokens from a step's logits (its last row's, or a speculative step's every
+        row), and the ring step that feeds the next ones to hop 0."""
         s, tail = st.session, st.session.tail
         assert tail is not None
-        self.trail.observe(s.session_id, len(tail.generated), logits)
-        token = tail.token(logits)
+        rows = logits.reshape(-1, logits.shape[-1])
+        if tail.spec is not None and st.header.phase == "decode":
+            tail.spec.row_compute(st.compute_s, st.positions)
+            tokens = tail.verify(rows, lambda index, row: self.trail.observe(s.session_id, index, row))
+        else:
+            self.trail.observe(s.session_id, len(tail.generated), rows[-1])
+            tokens = [tail.token(rows[-1])]
+        last = tokens[-1]
         sends = []
-        if token.finished:
+        if last.finished:
             s.finished = True
         else:  # the ring step first: it is the critical path of the next token
-            head = s.header(0, position, "decode", tail.ring_seq(token.index), "i32")
-            headers, body = self._pack(s, head, np.array([token.delta.token_id], dtype=np.int32))
+            position = end - rows.shape[0] + len(tokens)  # where the last token goes
+            head = s.header(0, position, "decode", tail.ring_seq(), "i32")
+            ids = tail.ring_step(position, time.monotonic())
+            headers, body = self._pack(s, head, np.array(ids, dtype=np.int32))
             sends.append(Send(_input_of(s.route, 0, "decode"), body, headers, seam="decode"))
-        sends.append(Send(S.session_tokens(s.open.owner, s.session_id), M.encode(token.delta)))
-        telemetry = tail.progress.snapshot() if token.finished or tail.progress.due() else None
-        return Output(st, sends, telemetry=telemetry, token=token, snapshot=snapshot and not token.finished)
+        deltas = S.session_tokens(s.open.owner, s.session_id)
+        sends += [Send(deltas, M.encode(t.delta)) for t in tokens]
+        telemetry = tail.progress.snapshot() if last.finished or tail.progress.due() else None
+        return Output(st, sends, telemetry=telemetry, token=last, snapshot=snapshot and not last.finished)
 
     def _pack(self, s: HopSession, header: M.ActivationHeader, array: np.ndarray) -> tuple[dict[str, str], bytes]:
         """Encode an output and, on an authenticated session, sign (and seal) it with the output link key."""
@@ -310,8 +337,23 @@ class HopEngine:
             )
         if req.chunk_size <= 0:
             raise ValueError("chunk size must be positive")
+        self._check_speculative(req)
         self._check_keys(req)
         return hop
+
+    def _check_speculative(self, req: M.SessionOpen) -> None:
+        """Speculative steps need a cache that can drop rejected drafts (not recurrent state)."""
+        if not 0 <= req.speculative <= M.MAX_SPECULATIVE:
+            raise ValueError(
+                f"speculative must be between 0 and {M.MAX_SPECULATIVE} draft tokens, got {req.speculative}"
+            )
+        cap = self.backend.capability
+        if req.speculative and not cap.supports_truncate:
+            raise NeuronBusError(
+                Reason.CANNOT_SPECULATE,
+                f"{self.node_id}: {cap.model_arch} layers [{self.backend.layer_start}, {self.backend.layer_end}) keep "
+                "a recurrent state that cannot drop rejected drafts; open the session without speculative",
+            )
 
     def _check_keys(self, req: M.SessionOpen) -> None:
         """The session's owner and link keys: required when this node requires them, well formed,
@@ -365,7 +407,7 @@ class HopEngine:
         """Record a newly opened session (its cache is allocated)."""
         s = HopSession(open=req, node_id=self.node_id)
         if s.is_tail:
-            s.tail = TailDecoder(req, self.tokenizer)
+            s.tail = TailDecoder(req, self.tokenizer, adaptive_drafts=self.opts.adaptive_drafts)
         self.sessions.add(s)
         return s
 
@@ -376,6 +418,8 @@ class HopEngine:
         s = HopSession(open=o, node_id=self.node_id, position=position, replay_end=req.replay_end)
         if s.is_tail:
             replay_chunks = -(-(req.replay_end - position) // o.chunk_size)
-            s.tail = TailDecoder(o, self.tokenizer, list(req.generated), replay_chunks - len(req.generated))
+            s.tail = TailDecoder(
+                o, self.tokenizer, list(req.generated), replay_chunks, adaptive_drafts=self.opts.adaptive_drafts
+            )
         self.sessions.add(s)
         return s

@@ -60,9 +60,12 @@ class WorkerOptions:
     owned_layer_work: float = 0.0  # millions of weights multiplied per token (artifacts/work.py): the ledger's unit
     fault: str | None = None  # fault injection for trust tests: "perturb", "inflate-ledger" (trust/fault.py)
     require_keys: bool | None = False  # refuse sessions without link keys (`worker --session-keys`; None: auto)
+    adaptive_drafts: bool = True  # `worker --draft-policy`: adaptive, or every draft found (False)
 
     def engine(self) -> EngineOptions:
-        return EngineOptions(self.max_body, self.slow_ms, self.snapshot_every, self.fault, bool(self.require_keys))
+        return EngineOptions(
+            self.max_body, self.slow_ms, self.snapshot_every, self.fault, bool(self.require_keys), self.adaptive_drafts
+        )
 
 
 class WorkerService:

@@ -31,6 +31,9 @@ class HopSession:
     finished: bool = False  # the tail sampled the last token
     last_used: float = field(default_factory=time.monotonic)
     replay_end: int = 0  # after a route repair: positions below it arrive again as prefill-like replay
+    # positions at the end held on trust: the drafts of the last speculative step; the next decode
+    # step says how many of them the tail accepted by starting among them (then they are dropped)
+    drafts_held: int = 0
 
     @property
     def session_id(self) -> str:
@@ -60,6 +63,11 @@ class HopSession:
     def prefill_end(self) -> int:
         """Positions below this arrive as prefill chunks: the prompt, and after a repair the replay."""
         return max(self.open.prompt_tokens, self.replay_end)
+
+    @property
+    def verified(self) -> int:
+        """Positions below this hold tokens the tail chose; the next decode step starts in [verified, position]."""
+        return self.position - self.drafts_held
 
     @property
     def phase(self) -> M.ActivationPhase:
@@ -131,13 +139,27 @@ class SessionTable:
             )
         if h.seq > s.seq:
             raise SessionMismatch(Reason.OUT_OF_ORDER, f"session {h.session_id}: seq {h.seq} arrived before {s.seq}")
-        if h.position != s.position:
-            reason = Reason.REPLAYED if h.position < s.position else Reason.POSITION_GAP
-            raise SessionMismatch(reason, f"session {h.session_id}: position {h.position}, expected {s.position}")
+        self._check_positions(s, h)
+        return s
+
+    @staticmethod
+    def _check_positions(s: HopSession, h: M.ActivationHeader) -> None:
+        """Where the message starts and how many positions it carries, before any model work."""
+        lowest = s.verified if h.phase == "decode" else s.position
+        if not lowest <= h.position <= s.position:
+            reason = Reason.REPLAYED if h.position < lowest else Reason.POSITION_GAP
+            expected = f"{s.position}" if lowest == s.position else f"{lowest}..{s.position}"
+            raise SessionMismatch(reason, f"session {h.session_id}: position {h.position}, expected {expected}")
         n = h.shape[0] if h.shape else 0
-        if h.phase == "decode" and n != 1:
+        most = 1 + s.open.speculative
+        if h.phase == "decode" and not 1 <= n <= most:
+            carries = "one position" if most == 1 else f"1 to {most} positions (a token and its drafts)"
             raise SessionMismatch(
-                Reason.WRONG_PHASE, f"session {h.session_id}: a decode step carries one position, got {n}"
+                Reason.WRONG_PHASE, f"session {h.session_id}: a decode step carries {carries}, got {n}"
+            )
+        if h.phase == "decode" and h.position + n > s.open.n_ctx:
+            raise SessionMismatch(
+                Reason.OVERRUN, f"session {h.session_id}: decode step runs past the session's n_ctx {s.open.n_ctx}"
             )
         if h.phase == "prefill" and not 0 < n <= s.open.chunk_size:
             raise SessionMismatch(
@@ -148,4 +170,3 @@ class SessionTable:
             raise SessionMismatch(
                 Reason.OVERRUN, f"session {h.session_id}: prefill chunk runs past position {s.prefill_end}"
             )
-        return s

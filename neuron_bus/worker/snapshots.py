@@ -123,7 +123,9 @@ class SnapshotStore:
         return False
 
     def write(self, s, blob: bytes) -> None:
-        """Upload ``blob`` (the session's exported cache at ``s.position``) in the background."""
+        """Upload ``blob`` (the session's exported cache) in the background, as the cache of the
+        positions the tail chose (``s.verified``: a speculative step's drafts above it are dropped
+        when the snapshot is restored)."""
         hop = s.hop
         meta = M.SnapshotMeta(
             generation_id=uuid.uuid4().hex,
@@ -136,7 +138,7 @@ class SnapshotStore:
             cache_abi=self.report.cache_abi,
             layer_start=hop.layer_start,
             layer_end=hop.layer_end,
-            position=s.position,
+            position=s.verified,
             n_ctx=s.open.n_ctx,
             nbytes=len(blob),
             created_at=time.time(),
