@@ -126,7 +126,7 @@ async def _lost(nc, routes: list[M.RouteAssignment]) -> int:
 
 
 def _checks(results: list[P.RouteResult], truth: dict[str, swarm.SimNode], gone: dict, expiry: float) -> dict:
-    out = {
+    counts = {
         "requests": len(results),
         "routes": 0,
         "rejections": 0,
@@ -135,40 +135,41 @@ def _checks(results: list[P.RouteResult], truth: dict[str, swarm.SimNode], gone:
         "bad_routes": 0,
         "through_gone_after_expiry": 0,
         "through_gone_within_expiry": 0,
-        "examples": [],
     }
+    examples: list[str] = []
     for r in results:
         if r.reply is None:
-            out["unanswered"] += 1
+            counts["unanswered"] += 1
             continue
         if r.attempts > 1:
-            out["answered_on_retry"] += 1
+            counts["answered_on_retry"] += 1
         if isinstance(r.reply, M.RouteRejection):
-            out["rejections"] += 1
-            if len(out["examples"]) < 5:
-                out["examples"].append("rejected: " + "; ".join(r.reply.reasons)[:300])
+            counts["rejections"] += 1
+            if len(examples) < 5:
+                examples.append("rejected: " + "; ".join(r.reply.reasons)[:300])
             continue
-        out["routes"] += 1
+        counts["routes"] += 1
         problem = P.check_route(r.reply, truth, r.policy)
         if problem:
-            out["bad_routes"] += 1
-            out["examples"].append(problem)
+            counts["bad_routes"] += 1
+            examples.append(problem)
         for h in r.reply.hops:
             g = gone.get(h.node_id)
             if g is None:
                 continue
             last = g["last_beat"] or g["at"]
             if r.sent > last + expiry + GONE_SLACK_S:
-                out["through_gone_after_expiry"] += 1
-                out["examples"].append(f"{h.node_id} silent since {r.sent - last:.1f}s on a route")
+                counts["through_gone_after_expiry"] += 1
+                examples.append(f"{h.node_id} silent since {r.sent - last:.1f}s on a route")
             elif r.sent > g["at"]:
-                out["through_gone_within_expiry"] += 1
-    out["examples"] = out["examples"][:10]
-    return out
+                counts["through_gone_within_expiry"] += 1
+    return {**counts, "examples": examples[:10]}
 
 
 def _quality(results: list[P.RouteResult], judge: Judge, t0: float, limit: int, search_checks: int = 10) -> dict:
-    ratios, search, anything = [], [], []
+    ratios: list[float] = []
+    search: list[float] = []
+    anything: list[float] = []
     for r in results:
         if r.sessions is None or not isinstance(r.reply, M.RouteAssignment):
             continue
@@ -250,6 +251,7 @@ async def _simulate(opts: Options, workdir: Path) -> dict:
         )
         await _warm(nc, probe, opts, ready_at)
 
+        assert server.pid is not None, "start_server() returns a running server"
         pids = {f"tracker-{i}": t.pid for i, t in enumerate(trackers)}
         pids |= {"nats-server": server.pid, "node-pool": pool.pid}
         result: dict = {

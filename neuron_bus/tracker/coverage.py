@@ -123,7 +123,7 @@ def model_coverage(
 ) -> ModelCoverage:
     n = numerics.n_layers_total
     classes = dict(group.classes) if group is not None else {}
-    sums = {r: _RangeSums.of(c, group.speed(), params) for r, c in classes.items()}
+    sums = {r: _RangeSums.of(c, group.speed(), params) for r, c in classes.items()} if group is not None else {}
     layer_rows = [
         row
         for a, b, serving in segments(classes, n)

@@ -176,12 +176,14 @@ class Registry:
         while self._heard:
             node_id = next(iter(self._heard))
             entry = self._nodes[node_id]
-            if now - entry.last_seen <= p.expiry:
+            last_seen = entry.last_seen
+            assert last_seen is not None, "a heard node has had a heartbeat"
+            if now - last_seen <= p.expiry:
                 break
             del self._heard[node_id]
             entry.was_alive = False
             expired.append(node_id)
-            self._silent[node_id] = entry.last_seen
+            self._silent[node_id] = last_seen
             self._refile(node_id, entry, now)
         while self._silent:
             node_id, since = next(iter(self._silent.items()))
@@ -193,11 +195,11 @@ class Registry:
             self.index.discard(node_id)
         while self._assignments and now - self._assignments[0][0] > p.assignment_window:
             when, node_id = self._assignments.popleft()
-            entry = self._nodes.get(node_id)
-            if entry is not None:
-                while entry.assigned and now - entry.assigned[0] > p.assignment_window:
-                    entry.assigned.popleft()
-                self._refile(node_id, entry, now)
+            assigned = self._nodes.get(node_id)
+            if assigned is not None:
+                while assigned.assigned and now - assigned.assigned[0] > p.assignment_window:
+                    assigned.assigned.popleft()
+                self._refile(node_id, assigned, now)
 
     def records(self, model_preset: str | None = None) -> list[Record]:
         """Every node with a report, in the coverage map's order (model, first layer, id), copied
@@ -256,6 +258,7 @@ class Registry:
     def _view(self, node_id: str, entry: _Entry, now: float) -> NodeView:
         hb = entry.heartbeat if _consistent(entry) else None
         caps = entry.caps
+        assert caps is not None, "only a node with a capability report has a view"
         last_seen = entry.last_seen
         return NodeView(
             caps=caps,
