@@ -792,6 +792,7 @@ class TrackedNode(Struct):
     recently_assigned: int = 0
     queue_depth: int = 0
     route_failure_rate: float = 0.0
+    memory_pressure: float = 0.0  # share of the node's memory in use, from its last heartbeat
     rtt_ms: float | None = None
     slow: bool = False
     trust_tier: TrustTier = "untrusted"

@@ -36,6 +36,7 @@ class Node:
         self.answer_pings = answer_pings
         self._task = self._ctl = None
         self.seq = 0
+        self.memory_pressure = 0.0
 
     @property
     def node_id(self) -> str:
@@ -66,6 +67,7 @@ class Node:
                 layer_end=self.caps.layer_end,
                 cache_abi=self.caps.cache_abi,
                 decode_tokens_per_second=self.tps,
+                memory_pressure=self.memory_pressure,
             )
             await self.nc.publish(S.node_heartbeat(self.node_id), messages.encode(hb))
             await asyncio.sleep(BEAT)
@@ -274,6 +276,22 @@ async def test_heartbeat_without_report_reads_the_report_from_kv(bus, tracker):
         await bus.nc.publish(S.node_heartbeat("late"), messages.encode(hb))
     await live(tracker, "late")
     assert hops(await ask_route(bus.nc)) == [("late", 0, 30)]
+
+
+async def test_coverage_shows_the_last_heartbeats_memory_pressure(bus, tracker):
+    node = await bus.node("solo", 0, 30)
+    node.memory_pressure = 0.25
+    await live(tracker, "solo")
+
+    async def shows(pressure: float):
+        async def check():
+            return [n.memory_pressure for n in (await ask_coverage(bus.nc)).nodes] == [pressure]
+
+        await eventually(check)
+
+    await shows(0.25)
+    node.memory_pressure = 0.75  # nothing the route index cares about changes: the node is not refiled
+    await shows(0.75)
 
 
 async def test_pings_measure_round_trips_to_nodes(bus):

@@ -276,6 +276,7 @@ def tracked_node(v: NodeView, slow: bool) -> TrackedNode:
         recently_assigned=v.recently_assigned,
         queue_depth=v.queue_depth,
         route_failure_rate=v.failure_rate,
+        memory_pressure=v.memory_pressure,
         rtt_ms=None if v.rtt is None else round(v.rtt * 1000, 3),
         slow=slow,
         trust_tier=v.caps.trust_tier,

@@ -53,11 +53,12 @@ class _Entry:
 class Record:
     """What the coverage map needs of one node, copied from the table (registry.records)."""
 
-    __slots__ = ("node_id", "view", "last_seen", "assigned", "opened", "tracked")
+    __slots__ = ("node_id", "view", "last_seen", "assigned", "opened", "tracked", "memory_pressure")
 
-    def __init__(self, node_id, view, last_seen, assigned, opened, tracked):
+    def __init__(self, node_id, view, last_seen, assigned, opened, tracked, memory_pressure):
         self.node_id, self.view, self.last_seen = node_id, view, last_seen
         self.assigned, self.opened, self.tracked = assigned, opened, tracked
+        self.memory_pressure = memory_pressure  # the last heartbeat's (the view keeps the one it was filed with)
 
 
 RTT_SAMPLES = 4  # a round trip only ever gains from queueing on the way: the least of a few is the path's
@@ -213,7 +214,8 @@ class Registry:
         for m, _, node_id in self._order:
             e = self._nodes.get(node_id)
             if e is not None and e.view is not None and (model_preset is None or m == model_preset):
-                out.append(Record(node_id, e.view, e.last_seen, tuple(e.assigned), e.opened, e.tracked))
+                pressure = _memory_pressure(e.heartbeat)
+                out.append(Record(node_id, e.view, e.last_seen, tuple(e.assigned), e.opened, e.tracked, pressure))
         return out
 
     def tracked(
@@ -221,7 +223,8 @@ class Registry:
     ) -> list[TrackedNode]:
         """The coverage map's node entries as of ``now`` (pure: safe in another thread). Each
         entry is built once per change of its node (``keep_tracked`` stores it); only the fields
-        that depend on the clock, the flags and the group's references are set here: O(1) a node."""
+        that depend on the clock, the flags, the group's references and the last heartbeat's
+        memory pressure (no reason to refile a node) are set here: O(1) a node."""
         out = []
         expiry, slow_factor = self.params.expiry, self.params.slow_factor
         for r in records:
@@ -241,6 +244,7 @@ class Registry:
             t.seconds_since_heartbeat = None if r.last_seen is None else round(now - r.last_seen, 3)
             t.recently_assigned = self._pending_assignments(r, now)
             t.flagged = r.node_id in flagged
+            t.memory_pressure = r.memory_pressure
             out.append(t)
         return out
 
@@ -271,6 +275,7 @@ class Registry:
             recently_assigned=self._pending_assignments(entry, now),
             queue_depth=hb.queue_depth if hb else 0,
             failure_rate=hb.route_failure_rate if hb else 0.0,
+            memory_pressure=_memory_pressure(entry.heartbeat),
             rtt=entry.rtt,
             neighbour_latency={k: v / 1000.0 for k, v in hb.neighbour_latency_ms.items()} if hb else {},
             consistent=entry.heartbeat is None or hb is not None,
@@ -321,6 +326,11 @@ def _consistent(entry: _Entry) -> bool:
     if hb is None:
         return True
     return (hb.layer_start, hb.layer_end, hb.cache_abi) == (caps.layer_start, caps.layer_end, caps.cache_abi)
+
+
+def _memory_pressure(hb: NodeHeartbeat | None) -> float:
+    """The machine's, whatever range the heartbeat names (0.0: none heard yet)."""
+    return hb.memory_pressure if hb is not None else 0.0
 
 
 def _measured(rolling: float, benchmark: float) -> float | None:
