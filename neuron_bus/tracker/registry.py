@@ -1,7 +1,10 @@
 """The node table: capability reports and heartbeats, with expiry, feeding the route index.
 
 Liveness is judged on the tracker's clock (when a heartbeat arrived), never on the node's
-timestamps. A heartbeat from a node whose report the tracker has not seen yet (a tracker
+timestamps. A heartbeat sent before the one the table holds (lower ``seq`` and earlier ``ts``:
+delivered late) is dropped, so it cannot take a node back to an older state (ready again after
+draining, fewer sessions); a restarted node counts from 1 again, but later, and a node that
+expired is taken at its word whatever it sends. A heartbeat from a node whose report the tracker has not seen yet (a tracker
 restart, a lost announcement) is kept, and ``needs_report`` tells the service to read the
 node's report from the ``neuron-nodes`` KV bucket. The table is pure state: no NATS here.
 
@@ -75,6 +78,7 @@ class Registry:
         self._joined: list[str] = []
         self._expired: list[str] = []
         self._order: list[tuple[str, int, str]] | None = None  # tracked_order's, None after a change
+        self.late_heartbeats = 0  # dropped: sent before the heartbeat already applied
 
     # -- updates ------------------------------------------------------------------------------
 
@@ -92,8 +96,11 @@ class Registry:
         entry = self._nodes.get(node_id)
         if entry is None:
             entry = self._nodes[node_id] = _Entry()
-        same = entry.was_alive and not entry.assigned and _same_state(entry.filed, hb)
         previous = entry.heartbeat
+        if entry.was_alive and previous is not None and _sent_before(hb, previous):
+            self.late_heartbeats += 1
+            return
+        same = entry.was_alive and not entry.assigned and _same_state(entry.filed, hb)
         entry.opened = max(0, hb.sessions_active - previous.sessions_active) if previous is not None else 0
         entry.heartbeat = hb
         entry.last_seen = now
@@ -297,6 +304,11 @@ class Registry:
 
 
 TPS_NOISE = 0.01  # throughput changes within 1% (neighbour latencies: 10%) leave a node where it is in the index
+
+
+def _sent_before(new: NodeHeartbeat, old: NodeHeartbeat) -> bool:
+    """``new`` left the node before ``old`` did (both counters behind: not a restart)."""
+    return new.seq < old.seq and new.ts < old.ts
 
 
 def _same_state(old: NodeHeartbeat | None, new: NodeHeartbeat) -> bool:
