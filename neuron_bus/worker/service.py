@@ -103,7 +103,7 @@ class WorkerService:
         )
         self.mover = Mover(self, reload)
         self.control = ControlPlane(self.node_id, self.lifecycle, self.runner, tokenizer, self.metrics, self.mover)
-        self.heartbeat = Heartbeat(nc, report, self.engine, self.runner, self.node_telemetry, self.metrics)
+        self.heartbeat = Heartbeat(nc, report, self.engine, self.runner, self.node_telemetry)
         self.outbox = Outbox(nc, self.engine, self.runner, self.lifecycle, self.snapshots, self.trail, self.metrics)
         self._loops: list[asyncio.Task] = []
         self._control_sub: Subscription | None = None
