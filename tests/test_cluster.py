@@ -75,7 +75,7 @@ async def consumer_leaders(js, route: M.RouteAssignment) -> dict[str, tuple[str,
     for stream in (S.STREAM_PREFILL, S.STREAM_DECODE):
         for info in await js.consumers_info(stream):
             subject = info.config.filter_subject or ""
-            if subject.startswith(f"neuron.act.{route.route_id}."):
+            if subject.startswith("neuron.act.") and f".{route.route_id}." in subject:  # neuron.act.<node>.<route>.…
                 out[subject] = (info.cluster.leader, len(info.cluster.replicas or []))
     return out
 
@@ -100,12 +100,16 @@ def test_sigkill_of_the_server_leading_the_route_consumers_mid_generation_loses_
                     session = ev.session_id
                     if len(tokens) == 10:
                         consumers = await consumer_leaders(c.js, route)
-                        ring = consumers[S.hop_input(route.route_id, 0, "decode")][0]  # the ring's entry
+                        ring = consumers[S.hop_input(route.hops[0].node_id, route.route_id, 0, "decode")][
+                            0
+                        ]  # the ring's entry
                         killed = next(srv for srv in swarm.servers if srv.config.server_name == ring)
                         killed.proc.send_signal(signal.SIGKILL)  # no shutdown, no leadership handed over
                         await asyncio.to_thread(killed.proc.wait, 10)
             # every token whose publish the stream acknowledged is still there, on the survivors
-            stored_deltas = [d async for d in stored(c.js, S.STREAM_TOKENS, S.session_tokens(session), M.TokenDelta)]
+            stored_deltas = [
+                d async for d in stored(c.js, S.STREAM_TOKENS, S.session_tokens(c.owner, session), M.TokenDelta)
+            ]
         return tokens, killed, consumers, stored_deltas
 
     tokens, killed, consumers, deltas = asyncio.run(scenario())

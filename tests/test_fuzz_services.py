@@ -391,7 +391,10 @@ def test_garbage_on_a_streamed_sessions_subjects_leaves_its_text_alone(swarm):
             async def burst():
                 for kind, data in messages:
                     subject = {"token": S.session_tokens, "error": S.session_error, "telemetry": S.telemetry}[kind]
-                    await client.nc.publish(subject(session_id), data.replace(b"SID", session_id.encode()))
+                    # the gateway's sessions are owned by its identity: "public" on this bus, as the test's client
+                    await client.nc.publish(
+                        subject(client.owner, session_id), data.replace(b"SID", session_id.encode())
+                    )
                 await client.nc.flush()
 
             fired.append(loop.spawn(burst()))
