@@ -37,6 +37,7 @@ def test_packages_import_only_down_the_layers(package, forbidden):
 _LITERAL_REASON = re.compile(
     r"\b\w*(?:Error|Rejection|Mismatch|MalformedMessage|Failed)\(\s*\"[a-z]+_[a-z_]+\""
     r"|\breason\s*(?:=|==|!=)\s*\"[a-z_]+\""
+    r"|\.fail\([^,()]+,\s*\"[a-z]+_[a-z_]+\""  # a session failed with a code: outbox.fail(s, code, …)
 )
 
 

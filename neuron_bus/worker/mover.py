@@ -90,7 +90,9 @@ class Mover:
         while len(s.sessions) and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         for left in list(s.sessions):
-            await s.outbox.fail(left, "node_moving", "the node moves to other layers and its sessions did not finish")
+            await s.outbox.fail(
+                left, Reason.NODE_MOVING, "the node moves to other layers and its sessions did not finish"
+            )
 
     async def stop(self) -> None:
         await self._task.cancel_all()

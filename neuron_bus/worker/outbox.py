@@ -137,7 +137,7 @@ class Outbox:
         )
         self._background.spawn(self.nc.publish(subject, M.encode(err)))
 
-    async def fail(self, s: HopSession, code: str, message: str) -> None:
+    async def fail(self, s: HopSession, code: Reason, message: str) -> None:
         """A fatal session error: tell the client, free this hop's cache."""
         err = M.SessionError(
             session_id=s.session_id,

@@ -39,6 +39,7 @@ from neuron_bus.worker.outbox import Outbox
 from neuron_bus.worker.runner import BackendRunner
 from neuron_bus.worker.snapshots import SnapshotStore
 from neuron_bus.worker.waves import DecodeWaves
+from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.worker")
 
@@ -222,4 +223,6 @@ class WorkerService:
             now = time.monotonic()
             for s in list(self.sessions):
                 if now - s.last_used > timeout:
-                    await self.outbox.fail(s, "idle_timeout", f"session idle for more than {timeout:.0f}s; cache freed")
+                    await self.outbox.fail(
+                        s, Reason.IDLE_TIMEOUT, f"session idle for more than {timeout:.0f}s; cache freed"
+                    )
