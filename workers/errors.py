@@ -144,3 +144,9 @@ class UnsupportedModel(BackendError):
     """The artifact cannot run on this backend (architecture, layer-boundary limits)."""
 
     reason = Reason.UNSUPPORTED_MODEL
+
+
+class NoFreeSlot(BackendError):
+    """The backend's KV pool has no room for the session's positions right now (retry later)."""
+
+    reason = Reason.NO_FREE_SLOT

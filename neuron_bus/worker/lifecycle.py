@@ -104,6 +104,9 @@ class SessionLifecycle:
         sessions = list(self.engine.sessions)
         self.metrics.sessions_active.set(len(sessions))
         self.metrics.cache_bytes.set(sum(self.backend.cache_bytes(s.session_id) for s in sessions))
+        reserved, budget = self.backend.kv_positions()
+        self.metrics.kv_positions.labels("reserved").set(reserved)
+        self.metrics.kv_positions.labels("budget").set(budget)
 
     def report(self, rejected: dict[str, int]) -> M.SessionsReport:
         """What `neuron-bus sessions NODE` shows: every open session with its position and cache."""

@@ -26,6 +26,12 @@ class WorkerMetrics:
             "neuron_sessions_active", "Open route sessions on this node", registry=self.registry
         )
         self.cache_bytes = Gauge("neuron_cache_bytes", "KV cache bytes held for open sessions", registry=self.registry)
+        self.kv_positions = Gauge(
+            "neuron_kv_positions",
+            "KV pool positions: reserved for sessions (streams and buffers of its lanes), and its budget",
+            ["kind"],
+            registry=self.registry,
+        )
         self.rejected = Counter(
             "neuron_rejected_messages_total",
             "Messages rejected before any model work",
