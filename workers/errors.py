@@ -74,6 +74,7 @@ class Reason(StrEnum):
     PINNED = "pinned"
     PORT_IN_USE = "port_in_use"
     POSITION_GAP = "position_gap"
+    PREFIX_MISSING = "prefix_missing"
     PREFILL_FAILED = "prefill_failed"
     QUEUE_FULL = "queue_full"
     REMOTE_ERROR = "remote_error"

@@ -217,6 +217,9 @@ def worker(
         None, help="Cache server holding the neuron-snapshots bucket (default: the bus)."
     ),
     session_keys: str = typer.Option("auto", help="Sessions without link keys: required | optional | auto."),
+    prefix_cache: str = typer.Option(
+        "512M", help="Memory for finished sessions' prompt-prefix KV, reused by sessions sharing it (0: off)."
+    ),
     draft_policy: str = typer.Option(
         "adaptive", help="Speculative sessions at the tail: adaptive (the drafts that pay) | all (every draft found)."
     ),
@@ -233,6 +236,7 @@ def worker(
             else {"n_ctx": n_ctx, "max_sessions": max_sessions, "flash_attn": flash_attn, **budget}
         )
         fault = faults.check(fault)
+        prefix_bytes = parse_size(prefix_cache)
         check_token(node_id, "node id")
         # a budget in bytes is counted in positions once the range is known; the fit counts the default
         fit = node_fit(layers, max_layers, max_memory, budget.get("kv_budget", n_ctx * max_sessions))
@@ -250,7 +254,7 @@ def worker(
         idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms, snapshot_every=snapshot_every,
         snapshot_url=snapshot_nats, owned_layer_work=loaded[3], fault=fault,
         require_keys={"required": True, "optional": False}.get(session_keys),
-        adaptive_drafts=draft_policy == "adaptive",
+        adaptive_drafts=draft_policy == "adaptive", prefix_cache_bytes=prefix_bytes,
     )  # fmt: skip
     try:
         asyncio.run(serve(nats, node, loaded, options, metrics_port))
