@@ -75,7 +75,7 @@ def test_a_hop_refuses_prefix_fields_that_disagree_before_any_cache_work():
 # -- the acceptance tests on a real route ---------------------------------------------------------
 
 PREFIX = 2048
-TAIL_CACHE = "30M"  # holds one 2048-position prefix of the tail's 15 layers (23.6 MB), not two
+TAIL_CACHE = "30M"  # holds one 2048-position prefix of the tail's 11 layers (17.3 MB), not two
 NEW = 24
 
 
