@@ -464,11 +464,13 @@ class GenerationRun:
             return
         route = self.live_route
         index = {h.node_id: i for i, h in enumerate(route.hops)}
+        # the blocks of the prompt and the answer, for the hops to keep (a chat's next turn starts so)
+        keep = block_hashes(self.tokens + self.generated) if self.prefix_reuse and self.generated else []
 
         def close(node: str) -> M.SessionClose:  # proven with the hop's input key: only this client can close it
             key = self.key(index[node]) if node in index else ""
             proof = sealing.LinkKey.parse(key).proof("close", self.session_id) if key else ""
-            return M.SessionClose(session_id=self.session_id, route_id=route.route_id, proof=proof)
+            return M.SessionClose(session_id=self.session_id, route_id=route.route_id, proof=proof, keep_blocks=keep)
 
         await asyncio.gather(
             *(self.client.control(n, close(n), timeout=5) for n in self.opened), return_exceptions=True

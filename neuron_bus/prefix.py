@@ -6,15 +6,17 @@ blocks before the prompt's last token count: the tail needs that token's logits,
 always computed.
 
 Every hop keeps, in a `PrefixCache` under a memory budget (least recently used out first), the
-KV state of finished sessions' prompt prefixes, keyed by what makes a hop's state its own (model
-revision, layer range, cache ABI), the session's owner (a client reuses only its own prefixes: an
-attach or a refusal would otherwise tell it that another client's prompt began so) and the
-prefix's block hash. The state is copied (exported at the end of one session, imported into the
-new session's own stream) rather than shared: streams are per sequence (workers/kv_pool.py). Hidden
-states carry no tokens, so the hashes come with the session open (``SessionOpen.prefix_blocks``),
-computed where the tokens are. The head decides what a new session reuses (the longest prefix it
-holds); every other hop must attach the same one or refuse, and then the whole route computes
-the prompt from position 0: a route never mixes reused and computed positions silently.
+KV state of finished sessions' prefixes: the prompt's blocks, and the blocks its answer completed
+when the client names their hashes at close (``SessionClose.keep_blocks``: a chat's next turn
+reuses the answer too). Keys: what makes a hop's state its own (model revision, layer range, cache
+ABI), the session's owner (a client reuses only its own prefixes: an attach or a refusal would
+otherwise tell it that another client's prompt began so) and the prefix's block hash. The state
+is copied (exported at the end of one session, imported into the new session's own stream)
+rather than shared: streams are per sequence (workers/kv_pool.py). Hidden states carry no tokens,
+so the hashes come with the session open (``SessionOpen.prefix_blocks``) and close, computed where
+the tokens are. The head decides what a new session reuses (the longest prefix it holds); every
+other hop must attach the same one or refuse, and then the whole route computes the prompt from
+position 0: a route never mixes reused and computed positions silently.
 """
 
 from __future__ import annotations

@@ -185,3 +185,27 @@ def test_a_shared_2048_token_prefix_is_prefilled_once_and_its_eviction_makes_the
     assert four[2]["reused"][1] == 0 and four[1].prefill_tokens_reused == 0
     assert four[2]["prefill"] == [len(third)] * 2
     assert four[0] == reference(third, NEW)
+
+
+@pytest.mark.timeout(900)
+def test_a_chats_next_turn_reuses_the_previous_answer_too(swarm, reference):
+    """The client names the blocks of the prompt and the answer at close: a next turn made of the
+    first turn's prompt, its answer and a new question attaches the block the answer completed."""
+    tok = reference.tokenizer
+    words = " ".join(f"stone {i % 41} fell near tree {i % 23}." for i in range(2000))
+    turn1 = tok.encode(words)[: 7 * B - 12]  # 6 whole blocks; the answer completes the 7th
+    hops = Hops(swarm.metrics_ports)
+
+    async def scenario():
+        async with await NeuronClient.connect(swarm.url) as c:
+            answer, _ = await _run(c, turn1)
+            turn2 = turn1 + answer + tok.encode(" And then?")
+            before = hops.read()
+            tokens, telemetry = await _run(c, turn2)
+            return turn2, tokens, telemetry, Hops.delta(before, hops.read())
+
+    turn2, tokens, telemetry, delta = asyncio.run(scenario())
+    assert len(block_hashes(turn1)) == 6 and len(turn1) + NEW - 1 >= 7 * B
+    assert delta["reused"] == [7 * B, 7 * B] and telemetry.prefill_tokens_reused == 7 * B
+    assert delta["prefill"] == [len(turn2) - 7 * B] * 2
+    assert tokens == reference(turn2, NEW)

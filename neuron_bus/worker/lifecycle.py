@@ -112,15 +112,16 @@ class SessionLifecycle:
         self.metrics.prefill_reused.inc(want.positions)
         return want, await self.runner.call(self.backend.cache_bytes, req.session_id)
 
-    async def _keep_prefix(self, s) -> None:
-        """Keep the ended session's prompt prefix (every full block before its last prompt token)."""
+    async def _keep_prefix(self, s, keep: list[str]) -> None:
+        """Keep the ended session's KV under its block hashes: those of its prompt and generated
+        tokens the client names at close (``keep``, when they extend the prompt's), else the
+        prompt's; as many blocks as this hop holds tokens the tail chose for."""
         cache, blocks = self.prefix_cache, s.open.prefix_blocks
-        if (
-            cache is None
-            or not blocks
-            or s.position < len(blocks) * M.PREFIX_BLOCK
-            or self._cannot_keep is self.backend
-        ):
+        n = len(blocks)
+        if keep and keep[:n] == blocks and all(len(h) == 32 for h in keep[n:]):
+            blocks = keep
+        blocks = blocks[: s.verified // M.PREFIX_BLOCK]  # not a speculative step's drafts
+        if cache is None or not blocks or self._cannot_keep is self.backend:
             return
         keys = self._keys(s.open, blocks)
         if cache.holds(keys):
@@ -169,8 +170,9 @@ class SessionLifecycle:
             snapshot=snapshot,
         )
 
-    async def close(self, session_id: str, failed: bool = False) -> int:
-        """Free the session's cache here; returns the bytes freed (0 for an unknown session)."""
+    async def close(self, session_id: str, failed: bool = False, keep: list[str] | None = None) -> int:
+        """Free the session's cache here (its prefix kept first, see `_keep_prefix`); returns the
+        bytes freed (0 for an unknown session)."""
         s = self.engine.sessions.pop(session_id)
         if s is None:
             return 0
@@ -179,7 +181,7 @@ class SessionLifecycle:
         freed = await self.runner.call(self.backend.cache_bytes, session_id)
         if not failed:
             try:
-                await self._keep_prefix(s)
+                await self._keep_prefix(s, keep or [])
             except Exception as exc:  # keeping a prefix is an optimisation: the session closes regardless
                 self.metrics.prefix_lookups.labels("keep_failed").inc()
                 log.warning("%s: keeping session %s's prefix failed: %s", self.engine.node_id, session_id, exc)
