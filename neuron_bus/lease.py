@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import nats.errors
 import nats.js.errors as jserr
+from nats.js.kv import KeyValue
 
 from neuron_bus import messages
 from neuron_bus.errors import NeuronBusError
@@ -62,7 +63,7 @@ class Lease:
         self.token: int | None = None  # revision of our last successful write while we hold it
         self._valid_until = 0.0
         self._since = 0.0
-        self._kv = None
+        self._kv: KeyValue | None = None
         self._task: asyncio.Task | None = None
         self._busy = asyncio.Lock()
 
@@ -70,10 +71,15 @@ class Lease:
     def held(self) -> bool:
         return self.token is not None and self.clock() < self._valid_until
 
+    @property
+    def kv(self) -> KeyValue:
+        assert self._kv is not None, "the lease has not been opened"
+        return self._kv
+
     async def open(self) -> None:
         try:
             self._kv = await self.js.key_value(self.bucket)
-            status = await self._kv.status()
+            status = await self.kv.status()
         except (jserr.BucketNotFoundError, jserr.NotFoundError) as exc:
             raise LeaseError(
                 Reason.MISSING_BUCKET, f"lease bucket {self.bucket} not found: provision the server"
@@ -110,9 +116,9 @@ class Lease:
         wall = time.time()
         try:
             if self.token is not None:
-                self.token = await self._kv.update(self.key, self._value(wall), last=self.token)
+                self.token = await self.kv.update(self.key, self._value(wall), last=self.token)
             else:
-                self.token = await self._kv.create(self.key, self._value(wall))
+                self.token = await self.kv.create(self.key, self._value(wall))
                 self._since = wall
             self._valid_until = sent + self.ttl
         except jserr.KeyWrongLastSequenceError:
@@ -131,7 +137,7 @@ class Lease:
     async def holder_now(self) -> LeaseRecord | None:
         """Who holds the lease according to the bucket (None: nobody)."""
         try:
-            entry = await self._kv.get(self.key)
+            entry = await self.kv.get(self.key)
         except (jserr.KeyNotFoundError, jserr.KeyDeletedError):
             return None
         if not entry.value:
@@ -150,7 +156,7 @@ class Lease:
     async def _release(self) -> None:
         if self.token is not None and self.held:
             try:
-                await self._kv.delete(self.key, last=self.token)
+                await self.kv.delete(self.key, last=self.token)
             except (jserr.Error, nats.errors.Error, TimeoutError):
                 pass  # it expires by itself
         was = self.held

@@ -111,17 +111,9 @@ class LocalSwarm:
         self.workdir.mkdir(parents=True, exist_ok=True)
         # role -> password: the server enforces `neuron-bus permissions`' users; every process connects as its role
         self.credentials = credentials
-        auth = ""
-        if credentials:
-            from neuron_bus.trust.permissions import render
-
-            auth = render(credentials)
-        # per-process credentials (decentralized auth): every process its own, the server trusting the operator
         self.authority: Authority | None = None
         self.creds: dict[str, Path] = {}  # process or client name -> its .creds file
-        if identity:
-            auth = self._init_authority(cluster)
-        self.servers = self._make_servers(cluster, nats_port, http_port, auth)
+        self.servers = self._make_servers(cluster, nats_port, http_port, self._server_auth(identity, cluster))
         self.replicas = len(self.servers)  # copies of every stream and bucket
         self.prefill_window = prefill_window
         self.from_store = from_store  # publish the model to the shard swarm; workers fetch their range
@@ -142,6 +134,18 @@ class LocalSwarm:
         self.gateway_extra = gateway_extra or []
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands: dict[str, list[str]] = {}  # name -> the arguments it was started with
+
+    def _server_auth(self, identity: bool, cluster: int) -> str:
+        """The servers' authorization block: role users (``credentials``), or per-process
+        credentials (``identity``: decentralized auth, every process its own, the servers trusting
+        the operator), or none."""
+        if identity:
+            return self._init_authority(cluster)
+        if self.credentials:
+            from neuron_bus.trust.permissions import render
+
+            return render(self.credentials)
+        return ""
 
     def _make_servers(self, cluster: int, nats_port: int | None, http_port: int | None, auth: str) -> list[NatsServer]:
         """The swarm's nats-servers (a hook: wan/topologies.py builds other topologies)."""

@@ -158,15 +158,12 @@ class NodeHeartbeat(Struct):
     layer_end: int
     cache_abi: str
     sessions_active: int = 0
-    cache_bytes: int = 0
     queue_depth: int = 0
     prefill_tokens_per_second: float = 0.0
     decode_tokens_per_second: float = 0.0
     memory_pressure: float = 0.0
-    disk_read_bytes_per_second: float = 0.0
     neighbour_latency_ms: dict[str, float] = {}
     route_failure_rate: float = 0.0
-    cache_warmth: float = 0.0
     status: Literal["starting", "ready", "draining"] = "ready"
 
     def __post_init__(self) -> None:
@@ -174,7 +171,6 @@ class NodeHeartbeat(Struct):
         _non_negative(
             seq=self.seq,
             sessions_active=self.sessions_active,
-            cache_bytes=self.cache_bytes,
             queue_depth=self.queue_depth,
             prefill_tokens_per_second=self.prefill_tokens_per_second,
             decode_tokens_per_second=self.decode_tokens_per_second,
@@ -830,6 +826,7 @@ class TrackedNode(Struct):
     recently_assigned: int = 0
     queue_depth: int = 0
     route_failure_rate: float = 0.0
+    memory_pressure: float = 0.0  # share of the node's memory in use, from its last heartbeat
     rtt_ms: float | None = None
     slow: bool = False
     trust_tier: TrustTier = "untrusted"

@@ -60,14 +60,14 @@ async def ping_many(
             spans[node_id] = (t0, time.perf_counter())
             return rtt
 
-    async def watch() -> None:
+    async def watch(limit: float) -> None:
         while True:
             t = time.perf_counter()
             await asyncio.sleep(STALL_TICK)
-            if time.perf_counter() - t - STALL_TICK > stall:
+            if time.perf_counter() - t - STALL_TICK > limit:
                 stalls.append(time.perf_counter())
 
-    watcher = asyncio.create_task(watch()) if stall is not None else None
+    watcher = asyncio.create_task(watch(stall)) if stall is not None else None
     try:
         results = dict(zip(ids, await asyncio.gather(*(one(n) for n in ids))))
     finally:

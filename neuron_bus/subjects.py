@@ -63,6 +63,12 @@ def node_control(node_id: str) -> str:
     return f"{ROOT}.node.{check_token(node_id, 'node id')}.ctl"
 
 
+def node_move(node_id: str) -> str:
+    """Request/reply: MoveRange, the tracker asking a self-placed node to serve other layers. Its
+    own subject so that permissions let trackers alone publish there (anyone may ask ``.ctl``)."""
+    return f"{ROOT}.node.{check_token(node_id, 'node id')}.move"
+
+
 def route_assign(route_id: str) -> str:
     return f"{ROOT}.route.assign.{check_token(route_id, 'route id')}"
 

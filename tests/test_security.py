@@ -290,6 +290,36 @@ def test_replayed_and_forged_activations_are_refused_and_counted_and_bob_cannot_
     assert all(isinstance(r, RouteError) and r.reason in ("not_owner", "session_exists") for r in bob_resume)
 
 
+def test_only_a_tracker_may_ask_a_node_to_move(swarm):
+    """MoveRange makes a node drop its layers: trackers alone may publish on ``.move``, and a move
+    sent on ``.ctl`` (which every client may ask) is refused."""
+    move = M.MoveRange(model_preset="smollm2-135m", artifact_id="x", layer_start=0, layer_end=5, reason="spoofed")
+
+    async def scenario():
+        violations: list[str] = []
+        a = await raw(swarm, "node-a", violations)
+        await a.publish(S.node_move("worker-0"), M.encode(move))  # another worker: refused by the server
+        await a.flush()
+        async with await client(swarm, "alice") as alice:
+            refused_publish = False
+            try:  # a client: not even delivered
+                await alice.nc.request(S.node_move("worker-0"), M.encode(move), timeout=2.0)
+            except Exception:
+                refused_publish = True
+            on_ctl = await asyncio.gather(alice.control("worker-0", move), return_exceptions=True)
+            await asyncio.sleep(1.0)
+            report = await alice.coverage()
+        await a.close()
+        return violations, refused_publish, on_ctl, report
+
+    violations, refused_publish, on_ctl, report = run(scenario())
+    assert any("neuron.node.worker-0.move" in v for v in violations), violations
+    assert refused_publish
+    assert isinstance(on_ctl[0], RouteError) and on_ctl[0].reason == "not_permitted", on_ctl
+    worker0 = [n for n in report.nodes if n.node_id == "worker-0"]
+    assert worker0 and (worker0[0].layer_start, worker0[0].layer_end) != (0, 5)  # it kept its range
+
+
 def test_a_node_is_admitted_and_revoked_without_restarting_the_server(swarm):
     async def scenario():
         path = swarm.issue("late-node", "worker")  # issued after the server started

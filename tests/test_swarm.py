@@ -11,6 +11,7 @@ import time
 import pytest
 
 from neuron_bus import messages as M
+from neuron_bus import subjects as S
 from neuron_bus.artifacts.footprint import footprint
 from neuron_bus.artifacts.manifest import build_manifest
 from neuron_bus.client import NeuronClient
@@ -100,7 +101,9 @@ def test_a_lost_tail_is_covered_by_a_move_and_a_node_asked_to_move_finishes_its_
                 move = M.MoveRange(
                     model_preset=swarm.preset, artifact_id=swarm.artifact_id, layer_start=0, layer_end=15, reason="test"
                 )
-                reply = await c.control(mover, move)
+                # as the tracker's placer asks: on the node's .move subject (trackers alone may publish there)
+                answer = await c.nc.request(S.node_move(mover), M.encode(move), timeout=10)
+                reply = M.decode(answer.data, M.ControlReply)
                 assert isinstance(reply, M.MoveAccepted) and reply.sessions_draining >= 1
                 return (await run).tokens, other
 

@@ -18,6 +18,7 @@ from neuron_bus import messages
 from neuron_bus import subjects as S
 from neuron_bus.topology import connect, ensure_topology
 from neuron_bus.tracker import TrackerParams, TrackerService
+from neuron_bus.tracker.registry import Registry
 from tests.test_planner import report
 
 BIN = str(Path(sys.executable).parent / "neuron-bus")
@@ -36,6 +37,7 @@ class Node:
         self.answer_pings = answer_pings
         self._task = self._ctl = None
         self.seq = 0
+        self.memory_pressure = 0.0
 
     @property
     def node_id(self) -> str:
@@ -66,6 +68,7 @@ class Node:
                 layer_end=self.caps.layer_end,
                 cache_abi=self.caps.cache_abi,
                 decode_tokens_per_second=self.tps,
+                memory_pressure=self.memory_pressure,
             )
             await self.nc.publish(S.node_heartbeat(self.node_id), messages.encode(hb))
             await asyncio.sleep(BEAT)
@@ -274,6 +277,41 @@ async def test_heartbeat_without_report_reads_the_report_from_kv(bus, tracker):
         await bus.nc.publish(S.node_heartbeat("late"), messages.encode(hb))
     await live(tracker, "late")
     assert hops(await ask_route(bus.nc)) == [("late", 0, 30)]
+
+
+async def test_coverage_shows_the_last_heartbeats_memory_pressure(bus, tracker):
+    node = await bus.node("solo", 0, 30)
+    node.memory_pressure = 0.25
+    await live(tracker, "solo")
+
+    async def shows(pressure: float):
+        async def check():
+            return [n.memory_pressure for n in (await ask_coverage(bus.nc)).nodes] == [pressure]
+
+        await eventually(check)
+
+    await shows(0.25)
+    node.memory_pressure = 0.75  # nothing the route index cares about changes: the node is not refiled
+    await shows(0.75)
+
+
+def test_a_heartbeat_sent_before_the_one_applied_is_dropped():
+    reg, caps = Registry(PARAMS), report("n", 0, 30)
+    reg.apply_report(caps, now=0.0)
+
+    def beat(seq: int, ts: float, **kw) -> tuple[str, int]:
+        hb = messages.NodeHeartbeat(
+            node_id="n", seq=seq, ts=ts, layer_start=0, layer_end=30, cache_abi=caps.cache_abi, **kw
+        )
+        reg.apply_heartbeat(hb, now=0.1)
+        (view,) = reg.views(now=0.1)
+        return view.status, view.sessions_active
+
+    assert beat(5, 100.0, status="draining", sessions_active=2) == ("draining", 2)
+    assert beat(4, 99.0) == ("draining", 2)  # delivered late: it would make the node ready and idle again
+    assert reg.late_heartbeats == 1
+    assert beat(1, 101.0, sessions_active=1) == ("ready", 1)  # the node restarted: it counts from 1 again, later
+    assert reg.late_heartbeats == 1
 
 
 async def test_pings_measure_round_trips_to_nodes(bus):

@@ -56,6 +56,7 @@ class Reason(StrEnum):
     NOT_GGUF = "not_gguf"
     NOT_INFERENCE = "not_inference"
     NOT_OWNER = "not_owner"
+    NOT_PERMITTED = "not_permitted"
     NOT_PLACED = "not_placed"
     NOT_READY = "not_ready"
     NO_ARTIFACT = "no_artifact"

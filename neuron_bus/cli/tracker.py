@@ -130,6 +130,7 @@ def coverage(
 
 
 _STYLE = {"covered": "green", "under-provisioned": "yellow", "gap": "bold red"}
+_NODE_COLUMNS = ("node", "model", "layers", "state", "decode tok/s", "sessions", "queue", "memory", "rtt ms", "slow")
 
 
 def render(report: messages.CoverageReport, model: str | None = None) -> None:
@@ -165,7 +166,7 @@ def render(report: messages.CoverageReport, model: str | None = None) -> None:
             )
     if report.nodes:
         nodes = Table(title="nodes", title_justify="left")
-        for col in ("node", "model", "layers", "state", "decode tok/s", "sessions", "queue", "rtt ms", "slow"):
+        for col in _NODE_COLUMNS:
             nodes.add_column(col)
         for n in report.nodes:
             nodes.add_row(
@@ -176,6 +177,7 @@ def render(report: messages.CoverageReport, model: str | None = None) -> None:
                 "-" if n.decode_tokens_per_second is None else f"{n.decode_tokens_per_second:.1f}",
                 str(max(n.sessions_active, n.recently_assigned)),
                 str(n.queue_depth),
+                f"{n.memory_pressure:.0%}" if n.memory_pressure > 0 else "-",
                 "-" if n.rtt_ms is None else f"{n.rtt_ms:.1f}",
                 "yes" if n.slow else "",
             )

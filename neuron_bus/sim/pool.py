@@ -29,6 +29,7 @@ import time
 
 import nats.errors
 import nats.js.errors as jserr
+from nats.aio.subscription import Subscription
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
@@ -87,7 +88,7 @@ class Pool:
         self._due: list[tuple[float, str]] = []  # (monotonic time of the next heartbeat, node id)
         self._sessions: dict[str, list[tuple[float, tuple[str, ...]]]] = {}  # node -> (end, neighbours)
         self.stats = {"heartbeats": 0, "pings": 0, "pongs": 0, "assignments": 0, "announced": 0, "gone": 0}
-        self._subs = []
+        self._subs: list[Subscription] = []
 
     # -- nodes joining and leaving -----------------------------------------------------------
 
@@ -114,11 +115,12 @@ class Pool:
         emit(gone=node.node_id, kind=node.leave_kind, at=time.time(), last_beat=self.last_beat.get(node.node_id))
 
     async def churn_loop(self) -> None:
-        events = []
+        events: list[tuple[float, str, str]] = []  # (seconds after t0, "join" | "leave" | "die", node id)
         for n in self.nodes.values():
             if n.join_at > 0:
                 events.append((n.join_at, "join", n.node_id))
             if n.leave_at is not None:
+                assert n.leave_kind is not None, "generate() sets leave_at and leave_kind together"
                 events.append((n.leave_at, n.leave_kind, n.node_id))
         events.sort()
         for at, kind, node_id in events:

@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import msgspec
+import nats
 import nats.errors
 
 from neuron_bus import messages as M
@@ -38,7 +39,7 @@ class _CoverageSummary(msgspec.Struct):
 @dataclass
 class RouteResult:
     request_id: str
-    policy: str
+    policy: M.RoutePolicy
     sent: float  # wall time of the first attempt
     latency: float | None  # seconds until an answer (None: none came)
     attempts: int
@@ -58,7 +59,7 @@ class CoverageResult:
 
 @dataclass
 class Probe:
-    nc: object
+    nc: nats.NATS
     timeout: float = 3.0
     sessions: swarm.Sessions = field(default_factory=swarm.Sessions)
     routes: list[RouteResult] = field(default_factory=list)
@@ -67,7 +68,7 @@ class Probe:
     rng: random.Random = field(default_factory=lambda: random.Random(11))
 
     async def route(self, keep: bool = True) -> RouteResult:
-        policy = "private" if self.rng.random() < PRIVATE_SHARE else "public"
+        policy: M.RoutePolicy = "private" if self.rng.random() < PRIVATE_SHARE else "public"
         req = M.RouteRequest(request_id=uuid.uuid4().hex, model_preset=swarm.MODEL, policy=policy)
         data = M.encode(req)
         sent_wall, t0 = time.time(), time.perf_counter()
@@ -109,7 +110,7 @@ class Probe:
     async def open_loop(self, rate: float, seconds: float, coverage_rate: float = 0.0) -> None:
         """Route requests at ``rate`` per second (and coverage requests at ``coverage_rate``), each
         sent on time whatever the answers do; returns when every answer is in."""
-        tasks = []
+        tasks: list[asyncio.Task[RouteResult | CoverageResult]] = []
         start = time.monotonic()
         next_cov = start
         i = 0

@@ -67,6 +67,7 @@ class Proc:
         return proc
 
     def _read(self) -> None:
+        assert self.popen.stdout is not None, "started with stdout=PIPE"
         for line in self.popen.stdout:
             self.lines.put(line.rstrip("\n"))
         self.lines.put(None)

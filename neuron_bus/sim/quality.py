@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from neuron_bus.messages import RouteAssignment, RouteRequest
+from neuron_bus.messages import RouteAssignment, RoutePolicy, RouteRequest
 from neuron_bus.routes import TRUSTED_TIERS
 from neuron_bus.sim import swarm
 from neuron_bus.sim.pool import capability
@@ -48,6 +48,7 @@ def best_ring(views: Iterable[NodeView], n: int, params: TrackerParams) -> tuple
     """The cheapest complete ring over ``views`` (all with measured throughput and rtt)."""
     by_start: dict[int, list[tuple[float, NodeView]]] = {}
     for v in views:
+        assert v.rtt is not None, f"{v.node_id}: best_ring needs every round trip"
         weight = speed.expected_seconds_per_token(v, None, params) + v.rtt
         by_start.setdefault(v.layer_start, []).append((weight, v))
     dist: dict[int, tuple[float, list[str]]] = {0: (0.0, [])}
@@ -71,7 +72,7 @@ def best_allowed(views: Sequence[NodeView], params: TrackerParams) -> tuple[floa
     return best_ring(fast, swarm.N_LAYERS, params) or best_ring(views, swarm.N_LAYERS, params)
 
 
-def search_ratio(views: Sequence[NodeView], policy: str, params: TrackerParams) -> float | None:
+def search_ratio(views: Sequence[NodeView], policy: RoutePolicy, params: TrackerParams) -> float | None:
     """The planner's own search (planner.plan_route) on the ground truth, against the optimum:
     1.0 when the search loses nothing; what remains of a route's ratio is what the tracker did
     not know (round trips measured through queues, load a heartbeat behind, throughput noise)."""
@@ -90,7 +91,7 @@ class Judge:
         self.nodes = {n.node_id: n for n in nodes}
         self.params = params
 
-    def eligible(self, t: float, sessions: dict[str, int], policy: str) -> list[NodeView]:
+    def eligible(self, t: float, sessions: dict[str, int], policy: RoutePolicy) -> list[NodeView]:
         """The nodes alive at run time ``t`` that ``policy`` admits, as they truly are."""
         return [
             truth_view(n, sessions.get(n.node_id, 0))
@@ -99,7 +100,7 @@ class Judge:
         ]
 
     def judge(
-        self, route: RouteAssignment, t: float, sessions: dict[str, int], policy: str = "public"
+        self, route: RouteAssignment, t: float, sessions: dict[str, int], policy: RoutePolicy = "public"
     ) -> dict[str, float] | None:
         """{"cost", "best", "ratio", "ratio_any"} for ``route`` requested at run time ``t`` against the
         best the planner may choose (``ratio_any``: the best with stragglers too); None without a ring."""
@@ -108,6 +109,7 @@ class Judge:
         if best is None:
             return None
         anything = best_ring(eligible, swarm.N_LAYERS, self.params)
+        assert anything is not None, "best_allowed found a ring among these nodes"
         hops = [truth_view(self.nodes[h.node_id], sessions.get(h.node_id, 0)) for h in route.hops]
         cost = ring_cost(hops, self.params)
         return {"cost": cost, "best": best[0], "ratio": cost / best[0], "ratio_any": cost / anything[0]}

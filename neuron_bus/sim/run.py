@@ -37,6 +37,7 @@ import nats.js.errors
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
+from neuron_bus.natsserver import NatsServer
 from neuron_bus.sim import probe as P
 from neuron_bus.sim import swarm
 from neuron_bus.sim.procs import Proc, SimError, Usage, start_server, start_tracker, varz
@@ -126,7 +127,7 @@ async def _lost(nc, routes: list[M.RouteAssignment]) -> int:
 
 
 def _checks(results: list[P.RouteResult], truth: dict[str, swarm.SimNode], gone: dict, expiry: float) -> dict:
-    out = {
+    counts = {
         "requests": len(results),
         "routes": 0,
         "rejections": 0,
@@ -135,40 +136,41 @@ def _checks(results: list[P.RouteResult], truth: dict[str, swarm.SimNode], gone:
         "bad_routes": 0,
         "through_gone_after_expiry": 0,
         "through_gone_within_expiry": 0,
-        "examples": [],
     }
+    examples: list[str] = []
     for r in results:
         if r.reply is None:
-            out["unanswered"] += 1
+            counts["unanswered"] += 1
             continue
         if r.attempts > 1:
-            out["answered_on_retry"] += 1
+            counts["answered_on_retry"] += 1
         if isinstance(r.reply, M.RouteRejection):
-            out["rejections"] += 1
-            if len(out["examples"]) < 5:
-                out["examples"].append("rejected: " + "; ".join(r.reply.reasons)[:300])
+            counts["rejections"] += 1
+            if len(examples) < 5:
+                examples.append("rejected: " + "; ".join(r.reply.reasons)[:300])
             continue
-        out["routes"] += 1
+        counts["routes"] += 1
         problem = P.check_route(r.reply, truth, r.policy)
         if problem:
-            out["bad_routes"] += 1
-            out["examples"].append(problem)
+            counts["bad_routes"] += 1
+            examples.append(problem)
         for h in r.reply.hops:
             g = gone.get(h.node_id)
             if g is None:
                 continue
             last = g["last_beat"] or g["at"]
             if r.sent > last + expiry + GONE_SLACK_S:
-                out["through_gone_after_expiry"] += 1
-                out["examples"].append(f"{h.node_id} silent since {r.sent - last:.1f}s on a route")
+                counts["through_gone_after_expiry"] += 1
+                examples.append(f"{h.node_id} silent since {r.sent - last:.1f}s on a route")
             elif r.sent > g["at"]:
-                out["through_gone_within_expiry"] += 1
-    out["examples"] = out["examples"][:10]
-    return out
+                counts["through_gone_within_expiry"] += 1
+    return {**counts, "examples": examples[:10]}
 
 
 def _quality(results: list[P.RouteResult], judge: Judge, t0: float, limit: int, search_checks: int = 10) -> dict:
-    ratios, search, anything = [], [], []
+    ratios: list[float] = []
+    search: list[float] = []
+    anything: list[float] = []
     for r in results:
         if r.sessions is None or not isinstance(r.reply, M.RouteAssignment):
             continue
@@ -197,6 +199,159 @@ def _quality(results: list[P.RouteResult], judge: Judge, t0: float, limit: int, 
     }
 
 
+def _swarm_spec(opts: Options) -> swarm.SwarmSpec:
+    """The simulated nodes: churn long enough to outlast every phase."""
+    return swarm.SwarmSpec(
+        nodes=opts.nodes,
+        seed=opts.seed,
+        duration=warmup_seconds(opts) + opts.idle_seconds + opts.duration + opts.throughput_seconds + 30,
+        churn=swarm.Churn.parse(opts.churn),
+    )
+
+
+def _start_trackers(opts: Options, server_url: str, workdir: Path) -> list[Proc]:
+    extra = list(opts.tracker_args)
+    profile = Path(opts.profile_dir) if opts.profile_dir else None
+    return [
+        start_tracker(i, server_url, opts.expiry, extra, workdir, profile, opts.tracker_pythonpath)
+        for i in range(opts.trackers)
+    ]
+
+
+def _start_pool(opts: Options, server_url: str, spec: swarm.SwarmSpec, t0: float, workdir: Path) -> Proc:
+    """The node pool process playing ``spec``'s nodes, its churn timed from wall time ``t0``."""
+    return Proc.start(
+        "node pool",
+        [
+            sys.executable,
+            "-m",
+            "neuron_bus.sim.pool",
+            "--nats",
+            server_url,
+            "--nodes",
+            str(opts.nodes),
+            "--seed",
+            str(opts.seed),
+            "--duration",
+            str(spec.duration),
+            "--churn",
+            opts.churn,
+            "--t0",
+            str(t0),
+            "--max-seconds",
+            str(spec.duration + 120),
+        ],
+        workdir / "pool.log",
+    )
+
+
+async def _idle_phase(opts: Options, server: NatsServer, pids: dict[str, int]) -> dict:
+    """Heartbeats and pings only: what the swarm costs the processes and the bus."""
+    usage, v0 = Usage(pids), varz(server)
+    usage.start()
+    await asyncio.sleep(opts.idle_seconds)
+    return {"usage": usage.stop(), "bus": _rates(v0, varz(server), opts.idle_seconds)}
+
+
+async def _latency_phase(
+    opts: Options, server: NatsServer, pids: dict[str, int], probe: P.Probe, trackers: list[Proc]
+) -> tuple[dict, float | None]:
+    """Route and coverage requests sent on time for ``opts.duration`` (tracker 0 killed on the way
+    if asked): the phase's figures, and when tracker 0 was killed (wall time; None: it was not)."""
+    usage, v0, t_lat = Usage(pids), varz(server), time.monotonic()
+    usage.start()
+    killed: dict[str, float] = {}  # "at": when tracker 0 was killed (wall time)
+    if opts.kill_tracker_at is not None:
+
+        async def kill_later():
+            await asyncio.sleep(opts.kill_tracker_at)
+            usage.sample()
+            killed["at"] = time.time()
+            trackers[0].kill()
+
+        killer = asyncio.create_task(kill_later())
+    sampler_stop = asyncio.Event()
+
+    async def sample():
+        while not sampler_stop.is_set():
+            usage.sample()
+            await asyncio.sleep(1.0)
+
+    sampler = asyncio.create_task(sample())
+    await probe.open_loop(opts.route_rate, opts.duration, opts.coverage_rate)
+    seconds = time.monotonic() - t_lat
+    sampler_stop.set()
+    await sampler
+    if opts.kill_tracker_at is not None:
+        await killer
+    lat_usage = usage.stop()
+    figures = {
+        "seconds": round(seconds, 1),
+        "usage": lat_usage,
+        "bus": _rates(v0, varz(server), seconds),
+        "route_ms": percentiles([r.latency for r in probe.routes if r.latency is not None and r.attempts == 1]),
+        "coverage_ms": percentiles([c.latency for c in probe.coverages if c.latency is not None]),
+        "coverage_bytes": max((c.size for c in probe.coverages), default=0),
+        "coverage_live_nodes": [c.live for c in probe.coverages if c.latency is not None][-1:],
+        "coverage_errors": [c.error for c in probe.coverages if c.error][:3],
+    }
+    return figures, killed.get("at")
+
+
+async def _kill_figures(nc, probe: P.Probe, opts: Options, killed_at: float) -> dict:
+    """How the route requests fared after tracker 0 was killed, and whether its routes survived."""
+    after = [r for r in probe.routes if r.sent >= killed_at]
+    before = [r.reply for r in probe.routes if r.sent < killed_at and isinstance(r.reply, M.RouteAssignment)]
+    return {
+        "killed_at_s": opts.kill_tracker_at,
+        "requests_after": len(after),
+        "answered_after": sum(r.reply is not None for r in after),
+        "unanswered_after": sum(r.reply is None for r in after),
+        "answered_on_retry": sum(r.reply is not None and r.attempts > 1 for r in probe.routes),
+        "routes_before": len(before),
+        "routes_before_lost": await _lost(nc, before),
+    }
+
+
+async def _throughput_phase(
+    opts: Options, server: NatsServer, pids: dict[str, int], probe: P.Probe, idle: dict
+) -> dict:
+    """``opts.concurrency`` clients asking back to back; ``idle``: the idle phase's usage, so that
+    the trackers' CPU a route costs is what they spend beyond heartbeats and pings."""
+    usage, v0 = Usage(pids), varz(server)
+    usage.start()
+    answered, secs, lats = await probe.closed_loop(opts.concurrency, opts.throughput_seconds)
+    tp_usage = usage.stop()
+    trackers_now = [k for k in tp_usage if k.startswith("tracker-")]
+    extra_cpu = sum(tp_usage[k]["cpu_share"] - idle[k]["cpu_share"] for k in trackers_now) * secs
+    return {
+        "concurrency": opts.concurrency,
+        "routes_per_s": round(answered / secs, 1),
+        "route_ms": percentiles(lats),
+        # tracker CPU a route costs beyond heartbeats and pings (all trackers together):
+        # flat from one tracker to three means throughput grows with the cores they get
+        "tracker_cpu_ms_per_route": round(extra_cpu / max(answered, 1) * 1000, 3),
+        "usage": tp_usage,
+        "bus": _rates(v0, varz(server), secs),
+    }
+
+
+def _stop_pool(pool: Proc) -> tuple[dict, dict]:
+    """Stop the node pool and read what it reported: (node id -> its gone record, its stats)."""
+    pool.stop()
+    gone, stats = {}, {}
+    while True:
+        line = pool.lines.get(timeout=30)
+        if line is None:
+            break
+        record = json.loads(line)
+        if "gone" in record:
+            gone[record["gone"]] = record
+        elif "stats" in record:
+            stats = record["stats"]
+    return gone, stats
+
+
 async def _simulate(opts: Options, workdir: Path) -> dict:
     server = start_server(workdir)
     trackers: list[Proc] = []
@@ -204,43 +359,11 @@ async def _simulate(opts: Options, workdir: Path) -> dict:
     try:
         nc = await connect(server.url, name="swarm-sim-clients")
         await ensure_topology(nc.jetstream())
-        extra = list(opts.tracker_args)
-        profile = Path(opts.profile_dir) if opts.profile_dir else None
-        trackers = [
-            start_tracker(i, server.url, opts.expiry, extra, workdir, profile, opts.tracker_pythonpath)
-            for i in range(opts.trackers)
-        ]
-        spec = swarm.SwarmSpec(
-            nodes=opts.nodes,
-            seed=opts.seed,
-            duration=warmup_seconds(opts) + opts.idle_seconds + opts.duration + opts.throughput_seconds + 30,
-            churn=swarm.Churn.parse(opts.churn),
-        )
+        trackers = _start_trackers(opts, server.url, workdir)
+        spec = _swarm_spec(opts)
         nodes = swarm.generate(spec)
         t0 = time.time()
-        pool = Proc.start(
-            "node pool",
-            [
-                sys.executable,
-                "-m",
-                "neuron_bus.sim.pool",
-                "--nats",
-                server.url,
-                "--nodes",
-                str(opts.nodes),
-                "--seed",
-                str(opts.seed),
-                "--duration",
-                str(spec.duration),
-                "--churn",
-                opts.churn,
-                "--t0",
-                str(t0),
-                "--max-seconds",
-                str(spec.duration + 120),
-            ],
-            workdir / "pool.log",
-        )
+        pool = _start_pool(opts, server.url, spec, t0, workdir)
         ready = json.loads(pool.wait_line(lambda line: line.startswith('{"ready"'), 300))
         ready_at = time.time()
         probe = P.Probe(
@@ -250,6 +373,7 @@ async def _simulate(opts: Options, workdir: Path) -> dict:
         )
         await _warm(nc, probe, opts, ready_at)
 
+        assert server.pid is not None, "start_server() returns a running server"
         pids = {f"tracker-{i}": t.pid for i, t in enumerate(trackers)}
         pids |= {"nats-server": server.pid, "node-pool": pool.pid}
         result: dict = {
@@ -257,95 +381,15 @@ async def _simulate(opts: Options, workdir: Path) -> dict:
             "nodes_announced": ready["ready"],
             "announce_seconds": round(ready_at - t0, 2),
         }
-
-        # idle: heartbeats and pings only
-        usage, v0 = Usage(pids), varz(server)
-        usage.start()
-        await asyncio.sleep(opts.idle_seconds)
-        result["idle"] = {"usage": usage.stop(), "bus": _rates(v0, varz(server), opts.idle_seconds)}
-
-        # latency phase
-        usage, v0, t_lat = Usage(pids), varz(server), time.monotonic()
-        usage.start()
-        killed = {}
-        if opts.kill_tracker_at is not None:
-
-            async def kill_later():
-                await asyncio.sleep(opts.kill_tracker_at)
-                usage.sample()
-                killed["at"] = time.time()
-                trackers[0].kill()
-
-            killer = asyncio.create_task(kill_later())
-        sampler_stop = asyncio.Event()
-
-        async def sample():
-            while not sampler_stop.is_set():
-                usage.sample()
-                await asyncio.sleep(1.0)
-
-        sampler = asyncio.create_task(sample())
-        await probe.open_loop(opts.route_rate, opts.duration, opts.coverage_rate)
-        seconds = time.monotonic() - t_lat
-        sampler_stop.set()
-        await sampler
-        if opts.kill_tracker_at is not None:
-            await killer
-        lat_usage = usage.stop()
-        result["latency_phase"] = {
-            "seconds": round(seconds, 1),
-            "usage": lat_usage,
-            "bus": _rates(v0, varz(server), seconds),
-            "route_ms": percentiles([r.latency for r in probe.routes if r.latency is not None and r.attempts == 1]),
-            "coverage_ms": percentiles([c.latency for c in probe.coverages if c.latency is not None]),
-            "coverage_bytes": max((c.size for c in probe.coverages), default=0),
-            "coverage_live_nodes": [c.live for c in probe.coverages if c.latency is not None][-1:],
-            "coverage_errors": [c.error for c in probe.coverages if c.error][:3],
-        }
-        if killed:
-            after = [r for r in probe.routes if r.sent >= killed["at"]]
-            before = [r.reply for r in probe.routes if r.sent < killed["at"] and isinstance(r.reply, M.RouteAssignment)]
-            result["kill"] = {
-                "killed_at_s": opts.kill_tracker_at,
-                "requests_after": len(after),
-                "answered_after": sum(r.reply is not None for r in after),
-                "unanswered_after": sum(r.reply is None for r in after),
-                "answered_on_retry": sum(r.reply is not None and r.attempts > 1 for r in probe.routes),
-                "routes_before": len(before),
-                "routes_before_lost": await _lost(nc, before),
-            }
-
-        # throughput phase
+        result["idle"] = await _idle_phase(opts, server, pids)
+        result["latency_phase"], killed_at = await _latency_phase(opts, server, pids, probe, trackers)
+        if killed_at is not None:
+            result["kill"] = await _kill_figures(nc, probe, opts, killed_at)
         if opts.throughput_seconds > 0:
-            usage, v0 = Usage({k: v for k, v in pids.items() if not (killed and k == "tracker-0")}), varz(server)
-            usage.start()
-            answered, secs, lats = await probe.closed_loop(opts.concurrency, opts.throughput_seconds)
-            tp_usage = usage.stop()
-            idle = result["idle"]["usage"]
-            trackers_now = [k for k in tp_usage if k.startswith("tracker-")]
-            extra_cpu = sum(tp_usage[k]["cpu_share"] - idle[k]["cpu_share"] for k in trackers_now) * secs
-            result["throughput_phase"] = {
-                "concurrency": opts.concurrency,
-                "routes_per_s": round(answered / secs, 1),
-                "route_ms": percentiles(lats),
-                # tracker CPU a route costs beyond heartbeats and pings (all trackers together):
-                # flat from one tracker to three means throughput grows with the cores they get
-                "tracker_cpu_ms_per_route": round(extra_cpu / max(answered, 1) * 1000, 3),
-                "usage": tp_usage,
-                "bus": _rates(v0, varz(server), secs),
-            }
+            alive = {k: v for k, v in pids.items() if not (killed_at is not None and k == "tracker-0")}
+            result["throughput_phase"] = await _throughput_phase(opts, server, alive, probe, result["idle"]["usage"])
 
-        pool.stop()
-        gone, stats = {}, {}
-        while True:
-            line = pool.lines.get(timeout=30)
-            if line is None:
-                break
-            record = json.loads(line)
-            if "gone" in record:
-                gone[record["gone"]] = record
-            elif "stats" in record:
-                stats = record["stats"]
+        gone, stats = _stop_pool(pool)
         result["pool"] = stats | {"gone": len(gone)}
         truth = {n.node_id: n for n in nodes}
         params = TrackerParams(expiry=opts.expiry)

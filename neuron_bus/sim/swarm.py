@@ -33,6 +33,8 @@ import hashlib
 import random
 from dataclasses import dataclass, field
 
+from neuron_bus.messages import TrustTier
+
 MODEL = "sim-80"
 REVISION = "sim-r1"
 BACKEND = "sim"
@@ -95,7 +97,7 @@ class SimNode:
     layer_end: int
     decode_tps: float  # true throughput of its whole range (tokens/s)
     rtt: float  # true round trip to the bus, seconds
-    trust_tier: str = "untrusted"
+    trust_tier: TrustTier = "untrusted"
     failure_rate: float = 0.0
     join_at: float = 0.0  # seconds after the run's start (0: there from the beginning)
     leave_at: float | None = None

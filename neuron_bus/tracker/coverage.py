@@ -123,7 +123,7 @@ def model_coverage(
 ) -> ModelCoverage:
     n = numerics.n_layers_total
     classes = dict(group.classes) if group is not None else {}
-    sums = {r: _RangeSums.of(c, group.speed(), params) for r, c in classes.items()}
+    sums = {r: _RangeSums.of(c, group.speed(), params) for r, c in classes.items()} if group is not None else {}
     layer_rows = [
         row
         for a, b, serving in segments(classes, n)
@@ -276,6 +276,7 @@ def tracked_node(v: NodeView, slow: bool) -> TrackedNode:
         recently_assigned=v.recently_assigned,
         queue_depth=v.queue_depth,
         route_failure_rate=v.failure_rate,
+        memory_pressure=v.memory_pressure,
         rtt_ms=None if v.rtt is None else round(v.rtt * 1000, 3),
         slow=slow,
         trust_tier=v.caps.trust_tier,

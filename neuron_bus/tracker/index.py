@@ -227,12 +227,13 @@ class GroupIndex:
         cheap to rebuild (small groups: always fresh); a large group's are rebuilt by the
         caller's background work (``RouteIndex.stale_speeds``) and read here as they are."""
         now = time.perf_counter()
-        if self._stale(now) and (self._speed is None or self._speed_cost <= CHEAP_REBUILD_S):
-            self._speed = speed.GroupSpeed(list(self.members()))
+        group_speed = self._speed
+        if group_speed is None or (self._stale(now) and self._speed_cost <= CHEAP_REBUILD_S):
+            group_speed = self._speed = speed.GroupSpeed(list(self.members()))
             self._speed_cost = time.perf_counter() - now
             self._speed_built = now
             self._changed = False
-        return self._speed
+        return group_speed
 
     def needs_background_speed(self) -> bool:
         return self._speed_cost > CHEAP_REBUILD_S and self._stale(time.perf_counter())

@@ -213,7 +213,7 @@ class Placer:
             model_preset=m.model_preset, artifact_id=m.artifact_id, layer_start=start, layer_end=end, reason=reason
         )
         try:
-            msg = await self.nc.request(S.node_control(node_id), M.encode(req), timeout=MOVE_TIMEOUT_S)
+            msg = await self.nc.request(S.node_move(node_id), M.encode(req), timeout=MOVE_TIMEOUT_S)
             reply = M.decode(msg.data, M.ControlReply)
         except Exception as exc:
             log.warning("placement: %s did not take the move to %d-%d: %s", node_id, start, end - 1, exc)

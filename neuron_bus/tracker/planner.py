@@ -29,15 +29,15 @@ Two entry points, one search:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from neuron_bus.messages import RouteAssignment, RouteHop, RouteRejection, RouteRequest
 from neuron_bus.routes import TRUSTED_TIERS, hop_subject
-from neuron_bus.tracker import layers
-from neuron_bus.tracker.index import GroupIndex, RouteIndex, ring_weight
+from neuron_bus.tracker import layers, speed
+from neuron_bus.tracker.index import GroupIndex, RangeClass, RouteIndex, ring_weight
 from neuron_bus.tracker.params import TrackerParams
-from neuron_bus.tracker.ring import cheapest_ring
+from neuron_bus.tracker.ring import Chain, cheapest_ring
 from neuron_bus.tracker.view import NodeView, Numerics
 
 
@@ -206,29 +206,19 @@ def plan_group(
     numerics = group.numerics
     n = numerics.n_layers_total
     group_speed = group.speed()
+    refs = group_speed.references
 
     def slow(v: NodeView) -> bool:
         return group_speed.is_slow(v, params)
 
-    refs = group_speed.references
-
     def weigh(v: NodeView) -> float:
         return ring_weight(v, refs, params)
 
-    k = params.route_candidates
-    lightest: dict[str, NodeView] = {}
-    fast: dict[str, NodeView] = {}
-    for cls in group.chainable() if chainable_only else group.classes.values():
-        top, top_fast = cls.best(k, keep, trusted_only, slow, weigh)
-        lightest.update((v.node_id, v) for v in top)
-        fast.update((v.node_id, v) for v in top_fast)
+    classes = group.chainable() if chainable_only else group.classes.values()
+    lightest, fast = _candidates(classes, params.route_candidates, keep, trusted_only, slow, weigh)
     ranges = {(v.layer_start, v.layer_end) for v in lightest.values()}
     gaps = layers.uncovered_runs(ranges, n)
-    qualifier = (
-        f" among nodes with cache ABI {numerics.cache_abi} (backend {numerics.backend_id}, revision {numerics.model_revision})"
-        if others
-        else ""
-    )
+    qualifier = _group_qualifier(numerics) if others else ""
     if gaps:
         return Rejection(
             tuple(
@@ -236,23 +226,61 @@ def plan_group(
                 for a, b in gaps
             )
         )
-    everyone = {**lightest, **fast}
+    best = _cheapest_without_stragglers_first(fast, {**lightest, **fast}, n, refs, params)
+    if best is None:
+        return _no_chain(ranges, n, qualifier)
+    cost, hops = best
+    return Plan(hops, cost, numerics, tuple(h.node_id for h in hops if slow(h)))
+
+
+def _candidates(
+    classes: Iterable[RangeClass],
+    k: int,
+    keep: Callable[[NodeView], bool],
+    trusted_only: bool,
+    slow: Callable[[NodeView], bool],
+    weigh: Callable[[NodeView], float],
+) -> tuple[dict[str, NodeView], dict[str, NodeView]]:
+    """The route candidates of every range class, by node id: (the ``k`` lightest of each, the
+    ``k`` lightest of each that are not stragglers)."""
+    lightest: dict[str, NodeView] = {}
+    fast: dict[str, NodeView] = {}
+    for cls in classes:
+        top, top_fast = cls.best(k, keep, trusted_only, slow, weigh)
+        lightest.update((v.node_id, v) for v in top)
+        fast.update((v.node_id, v) for v in top_fast)
+    return lightest, fast
+
+
+def _group_qualifier(numerics: Numerics) -> str:
+    """Which group a reason is about (when the request had nodes in other groups too)."""
+    n = numerics
+    return f" among nodes with cache ABI {n.cache_abi} (backend {n.backend_id}, revision {n.model_revision})"
+
+
+def _cheapest_without_stragglers_first(
+    fast: dict[str, NodeView], everyone: dict[str, NodeView], n: int, refs: speed.References, params: TrackerParams
+) -> Chain | None:
+    """The cheapest ring of the candidates that are not stragglers when those chain (only tried
+    when there are stragglers among ``everyone``), else the cheapest of them all."""
     best = None
-    if len(fast) < len(everyone):  # stragglers among the candidates: first try without them
+    if len(fast) < len(everyone):
         best = cheapest_ring(list(fast.values()), n, refs, params)
     if best is None:
         best = cheapest_ring(list(everyone.values()), n, refs, params)
-    if best is None:
-        reach = layers.reachable_from_start(ranges)
-        stuck = sorted(b for b in reach if b < n)
-        return Rejection(
-            (
-                f"no chain of node ranges covers layers {layers.spell(0, n)}: chains from layer 0 end "
-                f"before layer(s) {', '.join(map(str, stuck))}, where no node starts{qualifier}",
-            )
+    return best
+
+
+def _no_chain(ranges: set[tuple[int, int]], n: int, qualifier: str) -> Rejection:
+    """Every layer is served, but no chain of ranges runs from layer 0 to ``n``: where they stop."""
+    reach = layers.reachable_from_start(ranges)
+    stuck = sorted(b for b in reach if b < n)
+    return Rejection(
+        (
+            f"no chain of node ranges covers layers {layers.spell(0, n)}: chains from layer 0 end "
+            f"before layer(s) {', '.join(map(str, stuck))}, where no node starts{qualifier}",
         )
-    cost, hops = best
-    return Plan(hops, cost, numerics, tuple(h.node_id for h in hops if slow(h)))
+    )
 
 
 def _served_elsewhere(a: int, b: int, numerics: Numerics, others: Sequence[NodeView]) -> str:

@@ -1,7 +1,10 @@
 """The node table: capability reports and heartbeats, with expiry, feeding the route index.
 
 Liveness is judged on the tracker's clock (when a heartbeat arrived), never on the node's
-timestamps. A heartbeat from a node whose report the tracker has not seen yet (a tracker
+timestamps. A heartbeat sent before the one the table holds (lower ``seq`` and earlier ``ts``:
+delivered late) is dropped, so it cannot take a node back to an older state (ready again after
+draining, fewer sessions); a restarted node counts from 1 again, but later, and a node that
+expired is taken at its word whatever it sends. A heartbeat from a node whose report the tracker has not seen yet (a tracker
 restart, a lost announcement) is kept, and ``needs_report`` tells the service to read the
 node's report from the ``neuron-nodes`` KV bucket. The table is pure state: no NATS here.
 
@@ -53,11 +56,12 @@ class _Entry:
 class Record:
     """What the coverage map needs of one node, copied from the table (registry.records)."""
 
-    __slots__ = ("node_id", "view", "last_seen", "assigned", "opened", "tracked")
+    __slots__ = ("node_id", "view", "last_seen", "assigned", "opened", "tracked", "memory_pressure")
 
-    def __init__(self, node_id, view, last_seen, assigned, opened, tracked):
+    def __init__(self, node_id, view, last_seen, assigned, opened, tracked, memory_pressure):
         self.node_id, self.view, self.last_seen = node_id, view, last_seen
         self.assigned, self.opened, self.tracked = assigned, opened, tracked
+        self.memory_pressure = memory_pressure  # the last heartbeat's (the view keeps the one it was filed with)
 
 
 RTT_SAMPLES = 4  # a round trip only ever gains from queueing on the way: the least of a few is the path's
@@ -74,6 +78,7 @@ class Registry:
         self._joined: list[str] = []
         self._expired: list[str] = []
         self._order: list[tuple[str, int, str]] | None = None  # tracked_order's, None after a change
+        self.late_heartbeats = 0  # dropped: sent before the heartbeat already applied
 
     # -- updates ------------------------------------------------------------------------------
 
@@ -91,8 +96,11 @@ class Registry:
         entry = self._nodes.get(node_id)
         if entry is None:
             entry = self._nodes[node_id] = _Entry()
-        same = entry.was_alive and not entry.assigned and _same_state(entry.filed, hb)
         previous = entry.heartbeat
+        if entry.was_alive and previous is not None and _sent_before(hb, previous):
+            self.late_heartbeats += 1
+            return
+        same = entry.was_alive and not entry.assigned and _same_state(entry.filed, hb)
         entry.opened = max(0, hb.sessions_active - previous.sessions_active) if previous is not None else 0
         entry.heartbeat = hb
         entry.last_seen = now
@@ -176,12 +184,14 @@ class Registry:
         while self._heard:
             node_id = next(iter(self._heard))
             entry = self._nodes[node_id]
-            if now - entry.last_seen <= p.expiry:
+            last_seen = entry.last_seen
+            assert last_seen is not None, "a heard node has had a heartbeat"
+            if now - last_seen <= p.expiry:
                 break
             del self._heard[node_id]
             entry.was_alive = False
             expired.append(node_id)
-            self._silent[node_id] = entry.last_seen
+            self._silent[node_id] = last_seen
             self._refile(node_id, entry, now)
         while self._silent:
             node_id, since = next(iter(self._silent.items()))
@@ -193,11 +203,11 @@ class Registry:
             self.index.discard(node_id)
         while self._assignments and now - self._assignments[0][0] > p.assignment_window:
             when, node_id = self._assignments.popleft()
-            entry = self._nodes.get(node_id)
-            if entry is not None:
-                while entry.assigned and now - entry.assigned[0] > p.assignment_window:
-                    entry.assigned.popleft()
-                self._refile(node_id, entry, now)
+            assigned = self._nodes.get(node_id)
+            if assigned is not None:
+                while assigned.assigned and now - assigned.assigned[0] > p.assignment_window:
+                    assigned.assigned.popleft()
+                self._refile(node_id, assigned, now)
 
     def records(self, model_preset: str | None = None) -> list[Record]:
         """Every node with a report, in the coverage map's order (model, first layer, id), copied
@@ -211,7 +221,8 @@ class Registry:
         for m, _, node_id in self._order:
             e = self._nodes.get(node_id)
             if e is not None and e.view is not None and (model_preset is None or m == model_preset):
-                out.append(Record(node_id, e.view, e.last_seen, tuple(e.assigned), e.opened, e.tracked))
+                pressure = _memory_pressure(e.heartbeat)
+                out.append(Record(node_id, e.view, e.last_seen, tuple(e.assigned), e.opened, e.tracked, pressure))
         return out
 
     def tracked(
@@ -219,7 +230,8 @@ class Registry:
     ) -> list[TrackedNode]:
         """The coverage map's node entries as of ``now`` (pure: safe in another thread). Each
         entry is built once per change of its node (``keep_tracked`` stores it); only the fields
-        that depend on the clock, the flags and the group's references are set here: O(1) a node."""
+        that depend on the clock, the flags, the group's references and the last heartbeat's
+        memory pressure (no reason to refile a node) are set here: O(1) a node."""
         out = []
         expiry, slow_factor = self.params.expiry, self.params.slow_factor
         for r in records:
@@ -239,6 +251,7 @@ class Registry:
             t.seconds_since_heartbeat = None if r.last_seen is None else round(now - r.last_seen, 3)
             t.recently_assigned = self._pending_assignments(r, now)
             t.flagged = r.node_id in flagged
+            t.memory_pressure = r.memory_pressure
             out.append(t)
         return out
 
@@ -256,6 +269,7 @@ class Registry:
     def _view(self, node_id: str, entry: _Entry, now: float) -> NodeView:
         hb = entry.heartbeat if _consistent(entry) else None
         caps = entry.caps
+        assert caps is not None, "only a node with a capability report has a view"
         last_seen = entry.last_seen
         return NodeView(
             caps=caps,
@@ -268,6 +282,7 @@ class Registry:
             recently_assigned=self._pending_assignments(entry, now),
             queue_depth=hb.queue_depth if hb else 0,
             failure_rate=hb.route_failure_rate if hb else 0.0,
+            memory_pressure=_memory_pressure(entry.heartbeat),
             rtt=entry.rtt,
             neighbour_latency={k: v / 1000.0 for k, v in hb.neighbour_latency_ms.items()} if hb else {},
             consistent=entry.heartbeat is None or hb is not None,
@@ -289,6 +304,11 @@ class Registry:
 
 
 TPS_NOISE = 0.01  # throughput changes within 1% (neighbour latencies: 10%) leave a node where it is in the index
+
+
+def _sent_before(new: NodeHeartbeat, old: NodeHeartbeat) -> bool:
+    """``new`` left the node before ``old`` did (both counters behind: not a restart)."""
+    return new.seq < old.seq and new.ts < old.ts
 
 
 def _same_state(old: NodeHeartbeat | None, new: NodeHeartbeat) -> bool:
@@ -318,6 +338,11 @@ def _consistent(entry: _Entry) -> bool:
     if hb is None:
         return True
     return (hb.layer_start, hb.layer_end, hb.cache_abi) == (caps.layer_start, caps.layer_end, caps.cache_abi)
+
+
+def _memory_pressure(hb: NodeHeartbeat | None) -> float:
+    """The machine's, whatever range the heartbeat names (0.0: none heard yet)."""
+    return hb.memory_pressure if hb is not None else 0.0
 
 
 def _measured(rolling: float, benchmark: float) -> float | None:

@@ -50,7 +50,9 @@ def cheapest_ring(nodes: Sequence[NodeView], n: int, refs: speed.References, par
                 continue
             for a, b in ((u, v), (v, u)):  # a seam a -> b
                 if a.layer_end == b.layer_start or (a.layer_end == n and b.layer_start == 0):
-                    d = speed.measured_seam(a, b) - half[a.node_id] - half[b.node_id]
+                    measured = speed.measured_seam(a, b)
+                    assert measured is not None, "v measured u (latencies on the wire are non-negative)"
+                    d = measured - half[a.node_id] - half[b.node_id]
                     if a.layer_end == b.layer_start:
                         into[b.node_id][a.node_id] = d
                     if a.layer_end == n and b.layer_start == 0:
@@ -59,7 +61,7 @@ def cheapest_ring(nodes: Sequence[NodeView], n: int, refs: speed.References, par
     heads = [v for v in ordered if v.layer_start == 0]
     plain = {h.node_id for h in heads if h.node_id not in closing}
     best: _Ranked | None = None
-    passes = [(plain, {})] if plain else []
+    passes: list[tuple[set[str], dict[str, float]]] = [(plain, {})] if plain else []  # (heads, closing deltas)
     passes += [({h}, closing[h]) for h in sorted(closing) if h in by_id and by_id[h].layer_start == 0]
     for sources, close in passes:
         for tail_id, (_, total, hops) in _chains(ordered, sources, weight, into).items():

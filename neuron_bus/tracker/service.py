@@ -72,6 +72,7 @@ from neuron_bus.messages import (
     RouteRequest,
 )
 from neuron_bus.ping import ping_many
+from neuron_bus.tasks import Background
 from neuron_bus.tracker.coverage import assemble, group_speeds
 from neuron_bus.tracker.latency import PingSampler
 from neuron_bus.tracker.params import TrackerParams
@@ -125,7 +126,7 @@ class TrackerService:
         self.registry = Registry(params)
         self.pings = PingSampler(params.ping_budget, settled=RTT_SAMPLES)
         self._subs: list = []
-        self._tasks: set[asyncio.Task] = set()
+        self._background = Background()  # the loops, route answers, report refreshes
         self._fetching: set[str] = set()
         self._beats = 0
         self._full_gc_at: float | None = None  # tune_process: when the next full collection runs
@@ -164,9 +165,9 @@ class TrackerService:
         await self._load_reports()
         await self.trust.start()
         await self.nc.flush()
-        self._spawn(self._sweep_loop())
+        self._background.spawn(self._sweep_loop())
         if self.params.ping_interval > 0:
-            self._spawn(self._ping_loop())
+            self._background.spawn(self._ping_loop())
         self.placement = Lease(js, S.KV_LEASES, PLACEMENT_LEASE, holder=f"tracker-{self.tracker_id}")
         try:
             await self.placement.start()
@@ -189,10 +190,7 @@ class TrackerService:
         if self.placement is not None:
             await self.placement.stop()
         await self.trust.stop()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        await self._background.cancel_all()
 
     def tune_process(self) -> None:
         """For a tracker process (the CLI calls it): Python's full collections walk every live
@@ -207,11 +205,6 @@ class TrackerService:
         # coverage maps and straggler references are built in a worker thread: the event loop
         # gets the interpreter back within a millisecond (the default is 5 ms a handover)
         sys.setswitchinterval(0.001)
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # -- node table ---------------------------------------------------------------------------
 
@@ -270,7 +263,7 @@ class TrackerService:
         self.registry.apply_heartbeat(hb, _mono())
         if self.registry.needs_report(hb.node_id) and hb.node_id not in self._fetching:
             self._fetching.add(hb.node_id)
-            self._spawn(self._refresh_report(hb.node_id))
+            self._background.spawn(self._refresh_report(hb.node_id))
 
     def _spoofed(self, claimed: str, proven: str | None, where: str) -> bool:
         if claimed == proven:
@@ -428,7 +421,7 @@ class TrackerService:
 
     async def _on_route_request(self, msg) -> None:
         await self._in_flight.acquire()  # beyond IN_FLIGHT, requests wait in the subscription
-        self._spawn(self._answer_route(msg))
+        self._background.spawn(self._answer_route(msg))
 
     async def _answer_route(self, msg) -> None:
         try:

@@ -31,6 +31,7 @@ class NodeView:
     recently_assigned: int = 0
     queue_depth: int = 0
     failure_rate: float = 0.0
+    memory_pressure: float = 0.0  # share of the machine's memory in use (last heartbeat): for people, not routes
     rtt: float | None = None  # tracker <-> node round trip over the bus, seconds
     neighbour_latency: dict[str, float] = field(default_factory=dict)  # node_id -> seconds
     consistent: bool = True  # the heartbeat agrees with the capability report

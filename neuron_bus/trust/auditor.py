@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 
 import nats
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from neuron_bus import messages as M
@@ -46,6 +47,7 @@ class Auditor:
         self.verdicts = 0
         self._backends: dict[tuple[str, bool], Backend] = {}
         self._task: asyncio.Task | None = None
+        self.sub: JetStreamContext.PullSubscription | None = None
 
     async def start(self) -> None:
         self.kv = await self.js.key_value(S.KV_FLAGS)
@@ -63,6 +65,12 @@ class Auditor:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.sub is not None:  # as the meter's (metering.py): a fetched-from subscription would stall drain
+            try:
+                await self.sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+            self.sub = None
         for backend in self._backends.values():
             backend.close()
         self._backends.clear()
@@ -70,6 +78,7 @@ class Auditor:
     async def _loop(self) -> None:
         while True:
             try:
+                assert self.sub is not None, "started"
                 msgs = await self.sub.fetch(1, timeout=2.0)
             except (TimeoutError, nats.errors.TimeoutError):
                 continue

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import nats
 import nats.js.errors as jserr
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from neuron_bus import messages as M
@@ -73,6 +74,7 @@ class Meter:
         self._work: tuple[int, dict[str, list[float | None]]] = (-1, {})
         self._nodes = KVMirror(self.js, S.KV_NODES, M.CapabilityReport)  # the reports: the model's layer work
         self._tasks: list[asyncio.Task] = []
+        self._sub: JetStreamContext.PullSubscription | None = None
 
     async def start(self) -> None:
         try:
@@ -80,7 +82,7 @@ class Meter:
         except (jserr.NotFoundError, jserr.BucketNotFoundError):
             self.kv = await self.js.create_key_value(next(kv for kv in topology().kv if kv.bucket == KV_METER))
         await self._nodes.start()
-        self.sub = await self.js.pull_subscribe(
+        self._sub = sub = await self.js.pull_subscribe(
             S.LEDGER_ALL,
             durable=DURABLE,
             stream=S.STREAM_LEDGER,
@@ -91,20 +93,28 @@ class Meter:
                 max_ack_pending=8192,
             ),
         )
-        self._tasks = [asyncio.create_task(self._fetch_loop()), asyncio.create_task(self._settle_loop())]
+        self._tasks = [asyncio.create_task(self._fetch_loop(sub)), asyncio.create_task(self._settle_loop())]
 
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._sub is not None:
+            # closed here: nats-py's fetch takes messages off the subscription's queue without
+            # marking them done, so draining the connection would wait on it for ever
+            try:
+                await self._sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+            self._sub = None
         await self._nodes.stop()
 
     # ------------------------------------------------------------------ claims in
 
-    async def _fetch_loop(self) -> None:
+    async def _fetch_loop(self, sub: JetStreamContext.PullSubscription) -> None:
         while True:
             try:
-                msgs = await self.sub.fetch(64, timeout=1.0)
+                msgs = await sub.fetch(64, timeout=1.0)
             except (TimeoutError, nats.errors.TimeoutError):
                 continue
             except (nats.errors.Error, jserr.Error) as exc:

@@ -72,12 +72,13 @@ ROLES: dict[str, dict[str, list[str]]] = {
             "$O.>",
             INBOX,
         ],
-        "subscribe": [f"{R}.node.*.ctl", f"{R}.node.*.heartbeat", f"{R}.act.>", INBOX],
+        "subscribe": [f"{R}.node.*.ctl", f"{R}.node.*.move", f"{R}.node.*.heartbeat", f"{R}.act.>", INBOX],
     },
     "tracker": {
         "publish": [
             f"{R}.route.assign.>",
             f"{R}.node.*.ctl",
+            f"{R}.node.*.move",  # MoveRange: trackers alone may ask a node to move
             S.AUDIT_REQUEST,
             JS_ALL,
             JS_ACK,
@@ -168,7 +169,7 @@ def _worker(n: str) -> dict[str, list[str]]:
             *_js_read("OBJ_neuron-artifacts"),
             *_js_read(f"KV_{S.KV_NODES}"),
         ],
-        "subscribe": [S.node_control(n), f"_INBOX.{n}.>"],
+        "subscribe": [S.node_control(n), S.node_move(n), f"_INBOX.{n}.>"],
     }
 
 

@@ -14,6 +14,7 @@ import logging
 from nats.aio.msg import Msg
 
 from neuron_bus import messages as M
+from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage, NeuronBusError
 from workers.errors import Reason
 
@@ -39,6 +40,20 @@ class ControlPlane:
         if msg.reply:
             await msg.respond(M.encode(reply))
 
+    async def on_move(self, msg: Msg) -> None:
+        """``neuron.node.<id>.move``: only trackers may publish there (trust/permissions.py)."""
+        try:
+            req = M.decode(msg.data, M.ControlRequest)
+            if not isinstance(req, M.MoveRange):
+                raise MalformedMessage(Reason.BAD_CONTROL, f"only MoveRange is taken here, not {type(req).__name__}")
+            reply: M.ControlReply = self.mover.accept(req)
+        except Exception as exc:  # every failure is an explicit reply
+            if isinstance(exc, MalformedMessage):
+                self.metrics.reject(Reason.BAD_CONTROL)
+            reply = M.ControlError(code=getattr(exc, "reason", Reason.ERROR), message=str(exc))
+        if msg.reply:
+            await msg.respond(M.encode(reply))
+
     async def handle(self, req):
         if isinstance(req, M.Ping):
             return M.Pong(node_id=self.node_id, sent_at=req.sent_at)
@@ -50,8 +65,10 @@ class ControlPlane:
             return await self.lifecycle.open(req)
         if isinstance(req, M.SessionResume):
             return await self.lifecycle.resume(req)
-        if isinstance(req, M.MoveRange):
-            return self.mover.accept(req)
+        if isinstance(req, M.MoveRange):  # anyone may publish on .ctl; moves come from a tracker on .move
+            raise NeuronBusError(
+                Reason.NOT_PERMITTED, f"{self.node_id}: MoveRange is taken on {S.node_move(self.node_id)} only"
+            )
         if isinstance(req, M.SessionClose):
             self.lifecycle.engine.check_close(req)
             freed = await self.lifecycle.close(req.session_id, keep=req.keep_blocks)

@@ -1,10 +1,9 @@
 """A worker's heartbeat: what it tells the tracker every interval on ``neuron.node.<id>.heartbeat``.
 
-Its range and cache ABI, load (sessions, queued messages, cache bytes), measured throughput
-(runner.py: positions per busy second over the last 30 s of real work, or the self-benchmark
-before there is any), memory pressure, disk reads, route failure rate and the latency to its
-neighbours on its routes (node_telemetry.py; the pings run beside the heartbeats, never in
-their way).
+Its range and cache ABI, load (sessions, queued messages), measured throughput (runner.py:
+positions per busy second over the last 30 s of real work, or the self-benchmark before there
+is any), memory pressure, route failure rate and the latency to its neighbours on its routes
+(node_telemetry.py; the pings run beside the heartbeats, never in their way).
 """
 
 from __future__ import annotations
@@ -18,17 +17,14 @@ from neuron_bus import subjects as S
 from neuron_bus.tasks import Background
 from neuron_bus.worker.node_telemetry import neighbours
 
-WARM_SESSIONS = 8  # cache warmth is the share of this many sessions a node holds
-
 
 class Heartbeat:
-    def __init__(self, nc, report: M.CapabilityReport, engine, runner, node_telemetry, metrics):
+    def __init__(self, nc, report: M.CapabilityReport, engine, runner, node_telemetry):
         self.nc = nc
         self.report = report
         self.engine = engine
         self.runner = runner
         self.node_telemetry = node_telemetry
-        self.metrics = metrics
         self.seq = 0
         self._probes = Background()
 
@@ -43,15 +39,12 @@ class Heartbeat:
             layer_end=r.layer_end,
             cache_abi=r.cache_abi,
             sessions_active=sessions,
-            cache_bytes=int(self.metrics.value("neuron_cache_bytes")),
             queue_depth=queue_depth,
             prefill_tokens_per_second=self.runner.measured_tps("prefill", r.prefill_tokens_per_second),
             decode_tokens_per_second=self.runner.measured_tps("decode", r.decode_tokens_per_second),
             memory_pressure=psutil.virtual_memory().percent / 100.0,
-            disk_read_bytes_per_second=self.node_telemetry.disk_read_rate(),
             neighbour_latency_ms=dict(self.node_telemetry.latency_ms),
             route_failure_rate=self.node_telemetry.failure_rate(),
-            cache_warmth=min(1.0, sessions / WARM_SESSIONS),
             status="draining" if self.engine.draining else "ready",
         )
 

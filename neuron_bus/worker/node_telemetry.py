@@ -1,7 +1,5 @@
 """What a worker measures about itself for its heartbeats, beyond throughput.
 
-- disk read rate: bytes this process read from storage per second (weights paged in by mmap,
-  artifact pieces), from the OS counters;
 - route failure rate: the share of this node's recent sessions that ended in an error;
 - latency to neighbours: round trips over the bus to the nodes next to it on its routes
   (neuron_bus/ping.py: a `Ping` on their control subject, answered by their `Pong`), halved,
@@ -12,8 +10,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-
-import psutil
 
 from neuron_bus import messages as M
 from neuron_bus.ping import ping_many
@@ -26,23 +22,9 @@ OUTCOMES_KEPT = 50
 class NodeTelemetry:
     def __init__(self, node_id: str):
         self.node_id = node_id
-        self._proc = psutil.Process()
-        self._last_io = (time.monotonic(), self._read_bytes())
         self._outcomes: deque[bool] = deque(maxlen=OUTCOMES_KEPT)  # True = the session failed
         self.latency_ms: dict[str, float] = {}
         self._pinged_at = 0.0
-
-    def _read_bytes(self) -> int:
-        try:
-            return self._proc.io_counters().read_bytes
-        except (psutil.Error, AttributeError):
-            return 0
-
-    def disk_read_rate(self) -> float:
-        now, read = time.monotonic(), self._read_bytes()
-        then, before = self._last_io
-        self._last_io = (now, read)
-        return max(0.0, (read - before) / max(now - then, 1e-6))
 
     def session_ended(self, failed: bool) -> None:
         self._outcomes.append(failed)

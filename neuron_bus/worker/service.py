@@ -111,10 +111,11 @@ class WorkerService:
         )  # fmt: skip
         self.mover = Mover(self, reload)
         self.control = ControlPlane(self.node_id, self.lifecycle, self.runner, tokenizer, self.metrics, self.mover)
-        self.heartbeat = Heartbeat(nc, report, self.engine, self.runner, self.node_telemetry, self.metrics)
+        self.heartbeat = Heartbeat(nc, report, self.engine, self.runner, self.node_telemetry)
         self.outbox = Outbox(nc, self.engine, self.runner, self.lifecycle, self.snapshots, self.trail, self.metrics)
         self._loops: list[asyncio.Task] = []
         self._control_sub: Subscription | None = None
+        self._move_sub: Subscription | None = None
 
     @property
     def sessions(self):
@@ -142,6 +143,7 @@ class WorkerService:
     async def start(self) -> None:
         await self.announce()
         self._control_sub = await self.nc.subscribe(S.node_control(self.node_id), cb=self.control.on_message)
+        self._move_sub = await self.nc.subscribe(S.node_move(self.node_id), cb=self.control.on_move)
         await self.snapshots.start()
         self._loops = [
             asyncio.create_task(self._process_loop(), name="process"),
@@ -154,8 +156,9 @@ class WorkerService:
         for t in self._loops:
             t.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
-        if self._control_sub is not None:
-            await self._control_sub.unsubscribe()
+        for sub in (self._control_sub, self._move_sub):
+            if sub is not None:
+                await sub.unsubscribe()
         await self.consumers.unbind_all()
         for s in list(self.sessions):
             await self.lifecycle.close(s.session_id)
