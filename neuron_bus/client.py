@@ -263,6 +263,7 @@ class NeuronClient:
         repair: bool = True,
         policy: str = "public",
         speculative: int = 0,
+        prefix_reuse: bool = True,
     ) -> AsyncGenerator[M.TokenDelta | M.GenerationTelemetry, None]:
         """Yield telemetry and token deltas; raise RouteError on a failed route.
 
@@ -272,6 +273,8 @@ class NeuronClient:
         ``policy`` (public, private, paid-trusted) is asked of the tracker for every route it plans.
         ``speculative`` k > 0: decode steps carry up to k draft tokens that every hop checks in one
         call (the output is plain decoding's, greedy or seeded; see worker/drafting.py).
+        ``prefix_reuse``: the hops attach the KV of a prompt prefix a finished session left them
+        (neuron_bus/prefix.py) and compute only the rest; off: the whole prompt is computed.
         """
         run = GenerationRun(
             self,
@@ -288,6 +291,7 @@ class NeuronClient:
             prefill_retries=prefill_retries,
             repair=repair,
             speculative=speculative,
+            prefix_reuse=prefix_reuse,
         )
         async with aclosing(run.events()) as events:  # a caller that stops early closes the session at once
             async for event in events:

@@ -27,6 +27,7 @@ from neuron_bus import subjects as S
 from neuron_bus.errors import RouteError
 from neuron_bus.flow import publish
 from neuron_bus.ping import ping
+from neuron_bus.prefix import block_hashes
 from neuron_bus.repair import repair as repair_route
 from neuron_bus.routes import hop_header
 from neuron_bus.telemetry import GenerationProgress
@@ -69,6 +70,7 @@ class GenerationRun:
         prefill_retries: int = PREFILL_RETRIES,
         repair: bool = True,
         speculative: int = 0,
+        prefix_reuse: bool = True,
     ):
         self.client = client
         self.sampling = sampling
@@ -78,6 +80,9 @@ class GenerationRun:
         self.prompt, self.messages, self.prompt_tokens = prompt, messages, prompt_tokens
         self.prefill_retries, self.repair = prefill_retries, repair
         self.speculative = speculative  # draft tokens a decode step may carry (SessionOpen.speculative)
+        self.prefix_reuse = prefix_reuse  # the head may attach a cached prompt prefix (neuron_bus/prefix.py)
+        self.reused = 0  # prompt positions every hop attached from its prefix cache
+        self.prefix_fallbacks = 0  # opens where a hop lacked the head's prefix: the route computed the whole prompt
         self.session_id = uuid.uuid4().hex
         self.owner = client.owner
         self.progress = GenerationProgress(self.session_id, "", model_preset, [], 0, owner=self.owner)
@@ -206,24 +211,53 @@ class GenerationRun:
         await self._publish_progress()
         self.progress.prefill_total = len(self.tokens)
         await self._open_hops()
-        self.progress.prefill(0)
+        self.progress.prefill(self.reused)
+        self.progress.prefill_reused = self.reused
         await self._publish_progress()
-        self.sender = asyncio.create_task(self._send_prompt(self.tokens))
+        self.sender = asyncio.create_task(self._send_prompt(self.tokens, start=self.reused))
 
     async def _open_hops(self) -> None:
-        """Open the session on every hop at once (a WAN makes each request cost a round trip)."""
+        """Open the session on every hop at once (a WAN makes each request cost a round trip).
+
+        With prefix reuse, the head first: it attaches the longest prefix of the prompt it holds and
+        says which (SessionOpened.prefix); every other hop is asked for exactly that one. When one
+        of them lacks it (prefix_missing), the session is closed everywhere and opened again on the
+        whole route without reuse: the whole prompt is computed, never a mix."""
         hops = self.live_route.hops
-        tail = len(hops) - 1
+        blocks = block_hashes(self.tokens) if self.prefix_reuse else []  # off: nothing attached, nothing kept
+        self.reused = 0
+        prefix = None
+        if blocks:
+            opened = await self._open_hop(0, blocks, reuse=True)
+            self.opened.append(hops[0].node_id)
+            prefix = opened.prefix
+        rest = range(1 if blocks else 0, len(hops))
+        try:
+            await self._open_each(rest, blocks, prefix)
+        except RouteError as exc:
+            if prefix is None or exc.reason != Reason.PREFIX_MISSING:
+                raise
+            self.prefix_fallbacks += 1
+            await self._close_sessions()
+            await self._open_each(range(len(hops)), blocks, None)
+            prefix = None
+        self.reused = prefix.positions if prefix is not None else 0
 
-        async def open_hop(i: int, node: str):
-            reply = await self.client.control(
-                node, self._session_open(i, prompt=list(self.tokens) if i == tail else None)
-            )
-            self.rtt[node] = await ping(self.client.nc, node, timeout=5.0) or 0.0  # for its liveness watch
-            return reply
+    async def _open_hop(self, i: int, blocks: list[str], reuse: bool = False, prefix: M.PrefixReuse | None = None):
+        hops = self.live_route.hops
+        node = hops[i].node_id
+        req = self._session_open(i, prompt=list(self.tokens) if i == len(hops) - 1 else None)
+        req.prefix_blocks, req.reuse_prefix, req.prefix = blocks, reuse, prefix
+        reply = await self.client.control(node, req)
+        self.rtt[node] = await ping(self.client.nc, node, timeout=5.0) or 0.0  # for its liveness watch
+        return reply
 
-        results = await asyncio.gather(*(open_hop(i, h.node_id) for i, h in enumerate(hops)), return_exceptions=True)
-        self.opened += [h.node_id for h, r in zip(hops, results) if not isinstance(r, BaseException)]
+    async def _open_each(self, indexes: range, blocks: list[str], prefix: M.PrefixReuse | None) -> None:
+        hops = self.live_route.hops
+        results = await asyncio.gather(
+            *(self._open_hop(i, blocks, prefix=prefix) for i in indexes), return_exceptions=True
+        )
+        self.opened += [hops[i].node_id for i, r in zip(indexes, results) if not isinstance(r, BaseException)]
         for r in results:
             if isinstance(r, BaseException):
                 raise r
@@ -430,11 +464,13 @@ class GenerationRun:
             return
         route = self.live_route
         index = {h.node_id: i for i, h in enumerate(route.hops)}
+        # the blocks of the prompt and the answer, for the hops to keep (a chat's next turn starts so)
+        keep = block_hashes(self.tokens + self.generated) if self.prefix_reuse and self.generated else []
 
         def close(node: str) -> M.SessionClose:  # proven with the hop's input key: only this client can close it
             key = self.key(index[node]) if node in index else ""
             proof = sealing.LinkKey.parse(key).proof("close", self.session_id) if key else ""
-            return M.SessionClose(session_id=self.session_id, route_id=route.route_id, proof=proof)
+            return M.SessionClose(session_id=self.session_id, route_id=route.route_id, proof=proof, keep_blocks=keep)
 
         await asyncio.gather(
             *(self.client.control(n, close(n), timeout=5) for n in self.opened), return_exceptions=True

@@ -243,6 +243,18 @@ class SamplingParams(Struct):
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
 
 
+PREFIX_BLOCK = 256  # prompt tokens per block of a prefix hash (neuron_bus/prefix.py)
+
+
+class PrefixReuse(Struct):
+    """A prompt prefix whose KV a hop attaches from its prefix cache instead of computing it."""
+
+    positions: int  # positions [0, positions) of the prompt: a multiple of PREFIX_BLOCK, short of the last token
+    block_hash: (
+        str  # the chained hash of those positions' tokens: SessionOpen.prefix_blocks[positions // PREFIX_BLOCK - 1]
+    )
+
+
 class SessionOpen(Struct, tag_field="op", tag="open"):
     """Ask one hop of a route (``hop_index`` of ``route``) to allocate cache for a new session."""
 
@@ -268,6 +280,14 @@ class SessionOpen(Struct, tag_field="op", tag="open"):
     # hop runs the step's positions in one call and drops the rejected ones). 0: plain decoding;
     # at most MAX_SPECULATIVE
     speculative: int = 0
+    # prefix KV reuse (neuron_bus/prefix.py): the chained hashes of the prompt's blocks of PREFIX_BLOCK
+    # tokens (those before its last token), what every hop keeps this session's KV under when it
+    # ends; hop 0 with reuse_prefix attaches the longest of them it holds and says which
+    # (SessionOpened.prefix); every other hop is then opened with that ``prefix`` and attaches
+    # exactly it, or refuses (prefix_missing) and the client opens the route again without reuse
+    prefix_blocks: list[str] = []
+    reuse_prefix: bool = False
+    prefix: PrefixReuse | None = None
 
 
 class SessionOpened(Struct, tag_field="type", tag="opened"):
@@ -280,6 +300,7 @@ class SessionOpened(Struct, tag_field="type", tag="opened"):
     layer_start: int
     layer_end: int
     cache_bytes: int
+    prefix: PrefixReuse | None = None  # the prompt prefix this hop attached from its cache
 
 
 class SessionClose(Struct, tag_field="op", tag="close"):
@@ -287,6 +308,10 @@ class SessionClose(Struct, tag_field="op", tag="close"):
     route_id: str
     reason: str = "finished"
     proof: str = ""  # MAC of ("close", session) with the hop's input key: only the session's client can close it
+    # prefix reuse: the chained block hashes of the session's prompt and the tokens it generated
+    # (neuron_bus/prefix.py), extending SessionOpen.prefix_blocks: a hop keeps the session's KV
+    # under as many of them as it holds positions for (a chat's next turn reuses the answer too)
+    keep_blocks: list[str] = []
 
 
 class SessionClosed(Struct, tag_field="type", tag="closed"):
@@ -491,6 +516,7 @@ class GenerationTelemetry(Struct):
     queue_position: int | None = None  # phase queued: generations ahead of this one, waiting for a free slot
     draft_tokens: int = 0  # speculative sessions: draft tokens sent around the ring so far
     accepted_draft_tokens: int = 0  # of which the tail's own choice agreed with (each one a token)
+    prefill_tokens_reused: int = 0  # prompt positions every hop attached from its prefix cache (not computed)
     ts: float = 0.0
 
 

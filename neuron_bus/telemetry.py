@@ -43,6 +43,7 @@ class GenerationProgress:
         self.queue_position: int | None = None
         self.draft_tokens = 0
         self.accepted_draft_tokens = 0
+        self.prefill_reused = 0  # prompt positions attached from the hops' prefix caches
         self._first_token_at: float | None = None
         self._recent: deque[float] = deque()
         self._last_sent = 0.0
@@ -117,6 +118,7 @@ class GenerationProgress:
             queue_position=self.queue_position,
             draft_tokens=self.draft_tokens,
             accepted_draft_tokens=self.accepted_draft_tokens,
+            prefill_tokens_reused=self.prefill_reused,
             ts=time.time(),
         )
 

@@ -11,6 +11,11 @@ Contenders, all on this machine in this run, with the same thread budget per pro
   every other route runs with MACs, the default; and the three measured alternately on one
   route, back to back (the MAC and AEAD cost figures: trust/sealing.py, docs/security.md)
 
+KV figures (scripts/bench_kv.py; ``--only kv`` runs them alone): sessions of 512 positions one
+worker admits in the default memory against the 8 fixed slots before (``sessions_admitted_512``),
+and a chat's second turn sharing 2048 tokens with its first: its time to first token over the cold
+one's, with the outputs compared (``prefix2k_ttft_vs_cold``).
+
 Figures: decode tok/s, prefill tok/s at 512/2048/4096 tokens, time to first token, seam bytes
 per token by phase, per-hop overhead, aggregate decode tok/s at 1/4/8 concurrent sessions (while all
 of them decode), peak
@@ -41,7 +46,7 @@ from neuron_bus.client import NeuronClient  # noqa: E402
 from neuron_bus.execution import open_reference, open_tokenizer  # noqa: E402
 from neuron_bus.local_swarm import LocalSwarm  # noqa: E402
 from neuron_bus.natsserver import free_port  # noqa: E402
-from scripts import bench_record, bench_swarm, jetstream_floor  # noqa: E402
+from scripts import bench_kv, bench_record, bench_swarm, jetstream_floor  # noqa: E402
 
 PREFILL_SIZES = (512, 2048, 4096)
 
@@ -329,10 +334,19 @@ def main() -> int:
     ap.add_argument(
         "--record", action="store_true", help="write docs/bench.json and the README's table from this invocation's runs"
     )
+    ap.add_argument(
+        "--only", choices=["kv"], help="kv: only the KV pool and prefix reuse figures (scripts/bench_kv.py)"
+    )
     args = ap.parse_args()
 
     model_path = models.resolve(args.model)
     tok = open_tokenizer(model_path)
+    if args.only == "kv":
+        kv = bench_kv.measure(model_path, args.threads, Path(tempfile.mkdtemp(prefix="neuron-bench-kv-")), tok)
+        print("\n".join(bench_kv.report(kv)))
+        if args.json:
+            args.json.write_text(json.dumps(kv, indent=2) + "\n")
+        return 0
     ids_by_size = {n: prompt_ids(tok, n) for n in PREFILL_SIZES}
     n_decode = 48 if args.quick else 128
     work = Path(tempfile.mkdtemp(prefix="neuron-bench-"))
@@ -388,6 +402,7 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
     security = security_cost(paired_security(model_path, threads, ids_by_size[min(sizes)], n_decode, work))
     paired_ratios = [r / s for s, r in paired]
     floor_ms = jetstream_floor.measure()
+    kv = bench_kv.measure(model_path, threads, work, open_tokenizer(model_path))
     think_ms = 1000 / single["decode_tok_s"] / 2  # each hop of a 2-hop route computes about half a token
     floor_think_ms = jetstream_floor.measure(300, think_ms)
     r2, r3 = contenders["route2 llama.cpp"], contenders["route3 llama.cpp"]
@@ -453,6 +468,8 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
     big = max(sizes)
     prefill_time_ratio = single["prefill_tok_s"][big] / r2["prefill_tok_s"][big]
     print(f"{big}-token prefill, 2-hop route time / single-process time: {prefill_time_ratio:.2f}")
+    for line in bench_kv.report(kv):
+        print(line)
 
     result = {
         "model": model_path.name,
@@ -489,6 +506,7 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
         "route2_aead_prefill_tok_s": contenders["route2 AEAD"]["prefill_tok_s"],
         "security_paired": security,
         **swarm,
+        **kv,
         "peak_rss_bytes": {name: r["peak_rss_bytes"] for name, r in contenders.items()}
         | {"single": single["rss_bytes"]},
     }

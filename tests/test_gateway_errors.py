@@ -33,9 +33,10 @@ def post(url: str, body: dict) -> tuple[int, dict, dict]:
 
 @pytest.fixture(scope="module")
 def one_slot_swarm(smollm2_path, tmp_path_factory):
-    """Two workers with one KV slot each, slowed so a generation holds its slot for seconds; its
-    gateway does not queue (``--max-queue 0``)."""
-    extra = ["--max-sessions", "1", "--slow-ms", "25"]
+    """Two workers with a KV pool of one session's positions each (256: a generation of a short
+    prompt and 100 tokens fills it), slowed so a generation holds it for seconds; its gateway does
+    not queue (``--max-queue 0``)."""
+    extra = ["--n-ctx", "256", "--kv-budget", "256", "--slow-ms", "25"]
     s = LocalSwarm(
         smollm2_path,
         2,
@@ -118,7 +119,7 @@ def test_with_queueing_off_requests_beyond_the_free_kv_slots_get_503_with_retry_
         assert status == 503, answer
         assert int(headers["Retry-After"]) >= 1
         err = answer["error"]
-        assert err["code"] == "no_free_slot" and "session slots are in use" in err["message"] and err["node_id"]
+        assert err["code"] == "no_free_slot" and "KV pool has no room" in err["message"] and err["node_id"]
         status, headers, answer = post(base + "/v1/completions", {**body, "stream": True})
         assert status == 503 and "Retry-After" in headers and answer["error"]["code"] == "no_free_slot"
         with pytest.raises(openai.APIStatusError) as info:  # what the official client raises

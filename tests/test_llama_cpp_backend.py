@@ -169,21 +169,22 @@ def test_smollm2_split_2_and_3_ways_in_processes_is_bit_identical(smollm2_path, 
 @pytest.mark.parametrize("native", [True, False], ids=["C tap", "Python tap"])
 def test_boundary_node_is_last_l_out_and_returning_false_stops_the_graph(tiny_gguf, tmp_path, native):
     head = ranged(tiny_gguf, 0, 2, cache_dir=tmp_path, native_tap=native, **OPTS)
-    assert head.model.tap.native == native  # this machine has a C compiler (llama-cpp-python needed one)
-    head.model.tap.trace = []
     head.open_session("a", N_CTX)
+    tap = head.lanes.context("a").tap  # the tap of the context (KV pool lane) holding the session
+    assert tap.native == native  # this machine has a C compiler (llama-cpp-python needed one)
+    tap.trace = []
     hidden = head.prefill("a", 0, np.arange(3, 11, dtype=np.int32))
-    trace = head.model.tap.trace
+    trace = tap.trace
     assert hidden.shape == (8, head.hidden_size) and hidden.dtype == np.float32
     assert "l_out-0" in trace and trace[-1] == "l_out-1"  # the residual output of the slice's last layer
     assert "result_norm" not in trace and "result_output" not in trace  # nothing after it ran
 
     # The same graph, not stopped, goes on to the output norm and lm_head.
-    head.model.tap.node = b"no-such-node"
-    head.model.tap.trace = []
+    tap.node = b"no-such-node"
+    tap.trace = []
     with pytest.raises(LlamaCppError, match="never computed"):
         head.prefill("a", 8, np.array([5], dtype=np.int32))
-    assert "result_norm" in head.model.tap.trace and "result_output" in head.model.tap.trace
+    assert "result_norm" in tap.trace and "result_output" in tap.trace
     assert head.session_position("a") == 8  # the failed call left the session where it was
     head.close()
 
@@ -349,7 +350,7 @@ def test_export_import_round_trip(smol_split, smollm2_path, tmp_path):
     with pytest.raises(BadInput, match="positions"):
         head2.import_state("z", N_CTX, n + 2, blobs[0])  # the blob holds n + 1 positions
     head2.import_state("z", N_CTX, n, blobs[0])  # the last one (a speculative step's draft) dropped
-    assert head2.session_position("z") == n and head2.model.seq_pos_max(head2._seq["z"]) == n - 1
+    assert head2.session_position("z") == n and head2.lanes.context("z").seq_pos_max(head2.lanes.seq("z")) == n - 1
     head2.close_session("z")
     with pytest.raises(BadInput):
         head2.import_state("z", N_CTX, n + 1, b"not a llama.cpp state")

@@ -80,10 +80,15 @@ def test_sixteen_concurrent_sessions_all_complete_with_their_solo_output(swarm):
 
 @pytest.fixture(scope="module")
 def eight_slot_swarm(smollm2_path, tmp_path_factory):
-    """The defaults of `neuron-bus up`: 8 KV slots per worker, and a gateway."""
+    """A KV pool of 8 sessions of 256 positions per worker (its default memory takes many more of
+    these short sessions: workers/kv_pool.py), and a gateway."""
     from neuron_bus.natsserver import free_port
 
-    s = LocalSwarm(smollm2_path, 2, workdir=tmp_path_factory.mktemp("queue"), gateway_port=free_port())
+    extra = ["--n-ctx", "256", "--max-sessions", "8"]
+    s = LocalSwarm(
+        smollm2_path, 2, workdir=tmp_path_factory.mktemp("queue"), gateway_port=free_port(),
+        worker_extra={0: extra, 1: extra},
+    )  # fmt: skip
     s.start()
     yield s
     s.stop()

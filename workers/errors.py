@@ -77,6 +77,7 @@ class Reason(StrEnum):
     PINNED = "pinned"
     PORT_IN_USE = "port_in_use"
     POSITION_GAP = "position_gap"
+    PREFIX_MISSING = "prefix_missing"
     PREFILL_FAILED = "prefill_failed"
     QUEUE_FULL = "queue_full"
     REMOTE_ERROR = "remote_error"
@@ -147,3 +148,9 @@ class UnsupportedModel(BackendError):
     """The artifact cannot run on this backend (architecture, layer-boundary limits)."""
 
     reason = Reason.UNSUPPORTED_MODEL
+
+
+class NoFreeSlot(BackendError):
+    """The backend's KV pool has no room for the session's positions right now (retry later)."""
+
+    reason = Reason.NO_FREE_SLOT

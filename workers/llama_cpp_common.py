@@ -10,8 +10,9 @@ backends share.
   norm, no lm_head on non-tail hops). ``NativeLayerOutputTap`` is the same callback in C
   (workers/native_tap.py), the default wherever a C compiler is: llama.cpp calls it for every
   graph node, which costs a Python callback half a millisecond per decode.
-- ``LlamaCppModel``: a loaded GGUF plus one context with one KV stream per session slot; it runs
-  rows of tokens or hidden states for one or several sequences in one ``llama_decode``.
+- ``Weights``: a loaded GGUF, shared by the contexts made on it; ``LlamaCppModel``: one context
+  with one KV stream per session slot; it runs rows of tokens or hidden states for one or several
+  sequences in one ``llama_decode``.
 
 These names are llama.cpp internals; llama-cpp-python is pinned and tests/test_llama_cpp_backend.py
 pins the node name and the early-stop behaviour.
@@ -28,9 +29,10 @@ import llama_cpp as L
 import numpy as np
 
 from workers import native_tap
-from workers.errors import BackendError, BadInput, Reason, UnsupportedModel
+from workers.errors import BackendError, BadInput, NoFreeSlot, Reason, UnsupportedModel
 
 _LIB_DIR = pathlib.Path(L.__file__).resolve().parent / "lib"
+__all__ = ["NoFreeSlot"]  # the KV pool raises it (workers/kv_pool.py); importable from here as before
 
 # Node name of the residual stream after layer `il` in llama.cpp's graphs (pinned by a test), and
 # the architectures whose graphs name it otherwise. Nemotron-H calls its residual
@@ -56,12 +58,6 @@ class LlamaCppError(BackendError):
     """llama.cpp refused: model load, context creation or decode failed."""
 
     reason = Reason.LLAMA_CPP_ERROR
-
-
-class NoFreeSlot(BackendError):
-    """Every session slot of the context is taken."""
-
-    reason = Reason.NO_FREE_SLOT
 
 
 # -- ggml, from the bundled library ----------------------------------------------------------
@@ -384,29 +380,14 @@ def read_metadata(path: str | pathlib.Path, keys: list[str]) -> dict[str, str | 
         L.llama_model_free(model)
 
 
-class LlamaCppModel:
-    """One GGUF (whole model or slice) and one context with ``n_slots`` independent KV streams.
+class Weights:
+    """A GGUF (whole model or slice) loaded by llama.cpp: the weights (mmapped) and what the file
+    says about the model. Several contexts (the lanes of a KV pool) share one."""
 
-    Each slot is a llama.cpp sequence with its own stream (``kv_unified`` off), so sessions never
-    see each other's cells; every slot holds ``n_ctx_slot`` positions.
-    """
-
-    def __init__(
-        self,
-        path: str | pathlib.Path,
-        *,
-        n_ctx_slot: int,
-        n_slots: int,
-        n_batch: int,
-        n_threads: int,
-        config: ContextConfig,
-        tap_output: bool,
-        native_tap: bool = True,
-    ):
+    def __init__(self, path: str | pathlib.Path):
         quiet_logs()
         mark = len(_errors)
         self.path = pathlib.Path(path)
-        self.config = config
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = 0
         self.model = L.llama_model_load_from_file(str(self.path).encode(), mparams)
@@ -422,6 +403,61 @@ class LlamaCppModel:
         # hidden-state rows carry one position per RoPE section stream (llama_hparams::n_pos_per_embd)
         multi = (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE)
         self.pos_streams = 4 if L.llama_model_rope_type(self.model) in multi else 1
+
+    def meta(self, key: str) -> str | None:
+        return _meta_str(self.model, key)
+
+    def close(self) -> None:
+        if self.model:
+            L.llama_model_free(self.model)
+            self.model = None
+
+
+class LlamaCppModel:
+    """One context with ``n_slots`` independent KV streams over a loaded GGUF (``Weights``, shared
+    with other contexts, or loaded here from a path and owned).
+
+    Each slot is a llama.cpp sequence with its own stream (``kv_unified`` off), so sessions never
+    see each other's cells; every slot holds ``n_ctx_slot`` positions.
+    """
+
+    def __init__(
+        self,
+        weights: Weights | str | pathlib.Path,
+        *,
+        n_ctx_slot: int,
+        n_slots: int,
+        n_batch: int,
+        n_threads: int,
+        config: ContextConfig,
+        tap_output: bool,
+        native_tap: bool = True,
+    ):
+        self.owns_weights = not isinstance(weights, Weights)
+        self.weights = weights if isinstance(weights, Weights) else Weights(weights)
+        try:
+            self._init_context(n_ctx_slot, n_slots, n_batch, n_threads, config, tap_output, native_tap)
+        except BaseException:
+            if self.owns_weights:
+                self.weights.close()
+            raise
+
+    def _init_context(
+        self,
+        n_ctx_slot: int,
+        n_slots: int,
+        n_batch: int,
+        n_threads: int,
+        config: ContextConfig,
+        tap_output: bool,
+        native_tap: bool,
+    ) -> None:
+        mark = len(_errors)
+        w = self.weights
+        self.path, self.model, self.vocab, self.arch = w.path, w.model, w.vocab, w.arch
+        self.n_layer, self.n_embd, self.n_vocab, self.n_head_kv = w.n_layer, w.n_embd, w.n_vocab, w.n_head_kv
+        self.n_swa, self.pos_streams = w.n_swa, w.pos_streams
+        self.config = config
         self.n_slots = n_slots
         self.n_batch = n_batch
         self.tap = layer_output_tap(self.n_layer, self.n_embd, self.arch, n_batch, native_tap) if tap_output else None
@@ -446,7 +482,6 @@ class LlamaCppModel:
             cparams.cb_eval_user_data = self.tap.user_data
         self.ctx = L.llama_init_from_model(self.model, cparams)
         if not self.ctx:
-            L.llama_model_free(self.model)
             raise LlamaCppError(f"llama.cpp could not create a context for {self.path}{_errors_since(mark)}")
         self.n_ctx_slot = L.llama_n_ctx_seq(self.ctx)
         self.memory = L.llama_get_memory(self.ctx)
@@ -548,7 +583,7 @@ class LlamaCppModel:
             n = L.llama_state_seq_get_data(self.ctx, buf, size, seq_id)
             if n == 0:
                 raise LlamaCppError(f"llama_state_seq_get_data failed for sequence {seq_id}")
-            return bytes(buf[:n])
+            return ctypes.string_at(buf, n)  # one copy (slicing a ctypes array builds a list of ints)
 
     def set_seq_state(self, seq_id: int, blob: bytes) -> None:
         with self.lock:
@@ -561,7 +596,7 @@ class LlamaCppModel:
         return L.llama_memory_seq_pos_max(self.memory, seq_id)
 
     def meta(self, key: str) -> str | None:
-        return _meta_str(self.model, key)
+        return self.weights.meta(key)
 
     def close(self) -> None:
         for b in self._batches.values():
@@ -570,6 +605,5 @@ class LlamaCppModel:
         if self.ctx:
             L.llama_free(self.ctx)
             self.ctx = None
-        if self.model:
-            L.llama_model_free(self.model)
-            self.model = None
+        if self.owns_weights:
+            self.weights.close()

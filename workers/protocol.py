@@ -120,6 +120,10 @@ class Backend(abc.ABC):
         self._state(session_id)
         return self._cache_bytes(session_id)
 
+    def kv_positions(self) -> tuple[int, int]:
+        """(positions the cache holds for sessions now, positions it may hold; 0: no budget)."""
+        return sum(st.n_ctx for st in self._sessions.values()), 0
+
     def batch_rank(self, session_id: str) -> int:
         """Where the session sits for batching: steps of sessions with consecutive ranks batch best.
 

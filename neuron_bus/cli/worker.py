@@ -123,6 +123,18 @@ def first_source(nats: str, model: str | None, artifact: str | None, layers: str
     return local_source(model or "", layers or "")
 
 
+def kv_budget_opts(text: str | None) -> dict:
+    """``--kv-budget``: positions (``36864``) or bytes with a suffix (``400M``, ``2G``), as backend options."""
+    if text is None:
+        return {}
+    if text.strip().isdigit():
+        positions = int(text)
+        if positions <= 0:
+            raise ValueError("--kv-budget must hold at least one position")
+        return {"kv_budget": positions}
+    return {"kv_budget_bytes": parse_size(text)}
+
+
 def node_fit(layers: str | None, max_layers: int | None, max_memory: str | None, positions: int) -> M.NodeFit | None:
     """``--layers auto`` (or no --layers): what this node can hold; None for a pinned range."""
     if layers not in (None, "auto"):
@@ -189,7 +201,14 @@ def worker(
     ),
     dtype: str = typer.Option("float32", help="torch backend compute dtype: float32 | bfloat16."),
     n_ctx: int = typer.Option(DEFAULT_N_CTX, help="llama-cpp: positions per session (prompt + generated)."),
-    max_sessions: int = typer.Option(8, help="llama-cpp: concurrent sessions (KV slots) per worker."),
+    max_sessions: int = typer.Option(
+        8, help="llama-cpp: the default KV budget holds this many sessions of --n-ctx positions."
+    ),
+    kv_budget: str = typer.Option(
+        None,
+        help="llama-cpp: KV pool in positions (36864) or bytes (400M); sessions are admitted by the positions "
+        "they need (default: --max-sessions x --n-ctx).",
+    ),
     flash_attn: bool = typer.Option(True, help="llama-cpp: flash attention (part of the cache ABI: all hops agree)."),
     snapshot_every: int = typer.Option(
         0, help="Write a KV snapshot of every decoding session each N positions (0: off)."
@@ -198,6 +217,9 @@ def worker(
         None, help="Cache server holding the neuron-snapshots bucket (default: the bus)."
     ),
     session_keys: str = typer.Option("auto", help="Sessions without link keys: required | optional | auto."),
+    prefix_cache: str = typer.Option(
+        "512M", help="Memory for finished sessions' prompt-prefix KV, reused by sessions sharing it (0: off)."
+    ),
     draft_policy: str = typer.Option(
         "adaptive", help="Speculative sessions at the tail: adaptive (the drafts that pay) | all (every draft found)."
     ),
@@ -206,15 +228,18 @@ def worker(
     if (model is None) == (artifact is None):
         fail("give exactly one of --model or --artifact")
     node_id = node_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-    opts = (
-        {"dtype": dtype}
-        if backend == "torch"
-        else {"n_ctx": n_ctx, "max_sessions": max_sessions, "flash_attn": flash_attn}
-    )
     try:  # the cheap checks first: loading the model takes seconds
+        budget = kv_budget_opts(kv_budget)
+        opts = (
+            {"dtype": dtype}
+            if backend == "torch"
+            else {"n_ctx": n_ctx, "max_sessions": max_sessions, "flash_attn": flash_attn, **budget}
+        )
         fault = faults.check(fault)
+        prefix_bytes = parse_size(prefix_cache)
         check_token(node_id, "node id")
-        fit = node_fit(layers, max_layers, max_memory, n_ctx * max_sessions)
+        # a budget in bytes is counted in positions once the range is known; the fit counts the default
+        fit = node_fit(layers, max_layers, max_memory, budget.get("kv_budget", n_ctx * max_sessions))
         node = Node(node_id, backend, threads, opts, trust_tiers(trust_tier), slow_ms, fit)
         if snapshot_every < 0 or session_keys not in ("required", "optional", "auto"):
             raise ValueError("--snapshot-every must be 0 (off) or positive; --session-keys required, optional or auto")
@@ -229,7 +254,7 @@ def worker(
         idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms, snapshot_every=snapshot_every,
         snapshot_url=snapshot_nats, owned_layer_work=loaded[3], fault=fault,
         require_keys={"required": True, "optional": False}.get(session_keys),
-        adaptive_drafts=draft_policy == "adaptive",
+        adaptive_drafts=draft_policy == "adaptive", prefix_cache_bytes=prefix_bytes,
     )  # fmt: skip
     try:
         asyncio.run(serve(nats, node, loaded, options, metrics_port))

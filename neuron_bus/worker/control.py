@@ -71,7 +71,7 @@ class ControlPlane:
             )
         if isinstance(req, M.SessionClose):
             self.lifecycle.engine.check_close(req)
-            freed = await self.lifecycle.close(req.session_id)
+            freed = await self.lifecycle.close(req.session_id, keep=req.keep_blocks)
             return M.SessionClosed(session_id=req.session_id, node_id=self.node_id, freed_bytes=freed)
         raise ValueError(f"unsupported control request {type(req).__name__}")
 

@@ -338,8 +338,28 @@ class HopEngine:
         if req.chunk_size <= 0:
             raise ValueError("chunk size must be positive")
         self._check_speculative(req)
+        self._check_prefix(req)
         self._check_keys(req)
         return hop
+
+    @staticmethod
+    def _check_prefix(req: M.SessionOpen) -> None:
+        """Prefix reuse fields that agree with each other and with the prompt (neuron_bus/prefix.py)."""
+        if len(req.prefix_blocks) > (req.prompt_tokens - 1) // M.PREFIX_BLOCK:
+            raise ValueError(
+                f"{len(req.prefix_blocks)} prefix blocks of {M.PREFIX_BLOCK} tokens do not fit before the last "
+                f"of {req.prompt_tokens} prompt tokens"
+            )
+        if any(len(h) != 32 for h in req.prefix_blocks):
+            raise ValueError("prefix block hashes are 32 hex digits")
+        p = req.prefix
+        if p is None:
+            return
+        k = p.positions // M.PREFIX_BLOCK
+        if req.reuse_prefix or p.positions % M.PREFIX_BLOCK or not 0 < k <= len(req.prefix_blocks):
+            raise ValueError(f"a prefix of {p.positions} positions is not one of the session's prefix blocks")
+        if req.prefix_blocks[k - 1] != p.block_hash:
+            raise ValueError(f"prefix {p.block_hash} is not the session's prefix of {p.positions} positions")
 
     def _check_speculative(self, req: M.SessionOpen) -> None:
         """Speculative steps need a cache that can drop rejected drafts (not recurrent state)."""
@@ -403,11 +423,12 @@ class HopEngine:
             raise NeuronBusError(Reason.UNKNOWN_SESSION, f"{self.node_id} holds no session {o.session_id}")
         return old
 
-    def add(self, req: M.SessionOpen) -> HopSession:
-        """Record a newly opened session (its cache is allocated)."""
-        s = HopSession(open=req, node_id=self.node_id)
+    def add(self, req: M.SessionOpen, reused: int = 0) -> HopSession:
+        """Record a newly opened session (its cache is allocated, holding ``reused`` prompt positions
+        attached from the prefix cache: its prompt arrives from there)."""
+        s = HopSession(open=req, node_id=self.node_id, position=reused)
         if s.is_tail:
-            s.tail = TailDecoder(req, self.tokenizer, adaptive_drafts=self.opts.adaptive_drafts)
+            s.tail = TailDecoder(req, self.tokenizer, adaptive_drafts=self.opts.adaptive_drafts, reused=reused)
         self.sessions.add(s)
         return s
 

@@ -26,6 +26,26 @@ class WorkerMetrics:
             "neuron_sessions_active", "Open route sessions on this node", registry=self.registry
         )
         self.cache_bytes = Gauge("neuron_cache_bytes", "KV cache bytes held for open sessions", registry=self.registry)
+        self.kv_positions = Gauge(
+            "neuron_kv_positions",
+            "KV pool positions: reserved for sessions (streams and buffers of its lanes), and its budget",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.prefill_reused = Counter(
+            "neuron_prefill_tokens_reused_total",
+            "Prompt positions attached from the prefix cache instead of computed",
+            registry=self.registry,
+        )
+        self.prefix_lookups = Counter(
+            "neuron_prefix_cache_total",
+            "Prefix cache events: attached, missing (a prefix the head chose is not here), kept, keep_failed",
+            ["event"],
+            registry=self.registry,
+        )
+        self.prefix_cache_bytes = Gauge(
+            "neuron_prefix_cache_bytes", "KV state bytes the prefix cache holds", registry=self.registry
+        )
         self.rejected = Counter(
             "neuron_rejected_messages_total",
             "Messages rejected before any model work",

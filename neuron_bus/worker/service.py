@@ -24,6 +24,7 @@ from nats.aio.subscription import Subscription
 from neuron_bus import codec
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
+from neuron_bus.prefix import PrefixCache
 from neuron_bus.timing import HEARTBEAT_INTERVAL_S
 from neuron_bus.topology import identity_of
 from neuron_bus.worker.audit_trail import AuditTrail
@@ -42,6 +43,8 @@ from neuron_bus.worker.waves import DecodeWaves
 from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.worker")
+
+DEFAULT_PREFIX_CACHE = 512 << 20  # bytes of prompt-prefix KV a worker keeps for sessions to come
 
 
 @dataclass
@@ -62,6 +65,9 @@ class WorkerOptions:
     fault: str | None = None  # fault injection for trust tests: "perturb", "inflate-ledger" (trust/fault.py)
     require_keys: bool | None = False  # refuse sessions without link keys (`worker --session-keys`; None: auto)
     adaptive_drafts: bool = True  # `worker --draft-policy`: adaptive, or every draft found (False)
+    prefix_cache_bytes: int = (
+        DEFAULT_PREFIX_CACHE  # `worker --prefix-cache`: finished sessions' prompt prefixes (0: off)
+    )
 
     def engine(self) -> EngineOptions:
         return EngineOptions(
@@ -99,9 +105,11 @@ class WorkerService:
         )
         self.node_telemetry = NodeTelemetry(self.node_id)
         self.snapshots = SnapshotStore(nc, report, self.metrics, url=self.opts.snapshot_url)
+        prefixes = PrefixCache(self.opts.prefix_cache_bytes) if self.opts.prefix_cache_bytes > 0 else None
         self.lifecycle = SessionLifecycle(
-            self.engine, self.runner, self.consumers, self.snapshots, self.trail, self.node_telemetry, self.metrics
-        )
+            self.engine, self.runner, self.consumers, self.snapshots, self.trail, self.node_telemetry, self.metrics,
+            prefixes,
+        )  # fmt: skip
         self.mover = Mover(self, reload)
         self.control = ControlPlane(self.node_id, self.lifecycle, self.runner, tokenizer, self.metrics, self.mover)
         self.heartbeat = Heartbeat(nc, report, self.engine, self.runner, self.node_telemetry)
@@ -129,6 +137,8 @@ class WorkerService:
         self.control.tokenizer = tokenizer
         self.trail.report, self.trail.owned_layer_work = report, owned_layer_work
         self.snapshots.report = report
+        if self.lifecycle.prefix_cache is not None:  # the old range's states are of no use now
+            self.lifecycle.prefix_cache.clear()
         self.heartbeat.report = report
 
     async def start(self) -> None:

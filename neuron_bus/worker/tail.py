@@ -83,6 +83,7 @@ class TailDecoder:
         generated: list[int] | None = None,
         ring_seq_base: int | None = None,
         adaptive_drafts: bool = True,
+        reused: int = 0,
     ):
         self.open = open_
         self.tokenizer = tokenizer
@@ -99,11 +100,14 @@ class TailDecoder:
         self.generated: list[int] = []
         self.text = ""  # the text the client has been sent
         self._held = ""  # decoded text not sent yet: it may begin a stop string
-        # hop 0's input seq of ring step i is base + i: after the prompt's chunks, or after a
-        # repaired route's replay chunks
+        # hop 0's input seq of ring step i is base + i: after the prompt's chunks (those past a
+        # reused prefix), or after a repaired route's replay chunks
         self.ring_seq_base = (
-            math.ceil(open_.prompt_tokens / open_.chunk_size) if ring_seq_base is None else ring_seq_base
+            math.ceil((open_.prompt_tokens - reused) / open_.chunk_size) if ring_seq_base is None else ring_seq_base
         )
+        if reused:
+            self.progress.prefill(reused)
+            self.progress.prefill_reused = reused
         self.ring_steps = 0  # ring steps sent
         self.ring_position: int | None = None  # where the ring step in flight starts
         if generated:  # a repaired route: the tokens the client already has
