@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 
 import msgspec
@@ -26,6 +25,7 @@ from neuron_bus import subjects as S
 from neuron_bus.client import NeuronClient
 from neuron_bus.flow import publish
 from neuron_bus.local_swarm import LocalSwarm
+from tests.threaded_loop import Loop
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -43,22 +43,6 @@ def swarm(smollm2_path, tmp_path_factory):
     s.start()
     yield s
     s.stop()
-
-
-class Loop:
-    """An event loop in a thread: the victim decodes there while hypothesis drives the fuzz."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def mutate(draw, headers: dict[str, str], body: bytes) -> tuple[dict[str, str] | None, bytes]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 import urllib.request
 
@@ -37,6 +36,7 @@ from neuron_bus.local_swarm import LocalSwarm
 from neuron_bus.natsserver import free_port
 from neuron_bus.topology import connect
 from neuron_bus.trust.meter import KV_METER
+from tests.threaded_loop import Loop
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
 
@@ -70,25 +70,6 @@ def swarm(smollm2_path, tmp_path_factory):
     s.start(timeout=300)
     yield s
     s.stop()
-
-
-class Loop:
-    """An event loop in a thread: the victims run there while hypothesis drives the fuzz."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def spawn(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def mutate(draw, valid: dict) -> bytes:
