@@ -209,3 +209,40 @@ def test_a_chats_next_turn_reuses_the_previous_answer_too(swarm, reference):
     assert delta["reused"] == [7 * B, 7 * B] and telemetry.prefill_tokens_reused == 7 * B
     assert delta["prefill"] == [len(turn2) - 7 * B] * 2
     assert tokens == reference(turn2, NEW)
+
+
+@pytest.mark.timeout(900)
+def test_a_prefix_kept_in_another_size_class_is_attached_or_computed_never_an_error(swarm, reference):
+    """A session needing many more positions lands in a lane of another stream size, whose
+    sequence state llama.cpp may refuse (its layout differs): the head then opens the session
+    without the prefix and the route computes the whole prompt; either way the tokens are right."""
+    tok = reference.tokenizer
+    z = tok.encode(" ".join(f"pebble {i % 53} under bridge {i % 29}." for i in range(2000)))[:PREFIX]
+    small = z + tok.encode(" Which bridge?")
+    large = z + tok.encode(" Which pebble?")
+    hops = Hops(swarm.metrics_ports)
+    unattachable = 'neuron_prefix_cache_total{event="unattachable"}'
+
+    async def scenario():
+        async with await NeuronClient.connect(swarm.url) as c:
+            await _run(c, small)  # keeps z's prefix in a lane of its size (about 2100 positions)
+            before, refused = hops.read(), _metric(swarm.metrics_ports[0], unattachable)
+            tokens, telemetry = [], None
+            # room for 4608 positions: a lane of the largest class; only the first NEW tokens are read
+            sampling = M.SamplingParams(max_tokens=4608 - len(large), ignore_eos=True)
+            async for ev in c.generate(prompt_tokens=large, sampling=sampling):
+                if isinstance(ev, M.TokenDelta):
+                    tokens.append(ev.token_id)
+                    if len(tokens) == NEW:
+                        break  # the client closes the session on every hop
+                else:
+                    telemetry = ev
+            delta = Hops.delta(before, hops.read())
+            return tokens, telemetry, delta, _metric(swarm.metrics_ports[0], unattachable) - refused
+
+    tokens, telemetry, delta, refused = asyncio.run(scenario())
+    assert tokens == reference(large, NEW)
+    if refused:  # not attachable in that lane: computed whole on both hops
+        assert delta["reused"] == [0, 0] and delta["prefill"] == [len(large)] * 2, delta
+    else:  # the lanes agree on their layout: attached on both hops
+        assert delta["reused"] == [PREFIX, PREFIX], delta

@@ -21,7 +21,7 @@ from neuron_bus.errors import NeuronBusError
 from neuron_bus.prefix import PrefixCache
 from neuron_bus.trust import sealing
 from neuron_bus.worker.snapshots import object_name
-from workers.errors import Reason
+from workers.errors import BadInput, Reason
 
 log = logging.getLogger("neuron_bus.worker")
 
@@ -107,7 +107,19 @@ class SessionLifecycle:
                 f"{self.engine.node_id} holds no KV for the prompt prefix {want.block_hash[:12]} of {want.positions} "
                 "positions (never kept or evicted); open the route without prefix reuse",
             )
-        await self.runner.call(self.backend.import_state, req.session_id, req.n_ctx, want.positions, blob)
+        try:
+            await self.runner.call(self.backend.import_state, req.session_id, req.n_ctx, want.positions, blob)
+        except BadInput as exc:
+            # llama.cpp takes a sequence's state only into a context laid out as the one it left (a
+            # lane of as many streams: a session of another size class lands elsewhere)
+            self.metrics.prefix_lookups.labels("unattachable").inc()
+            if req.prefix is None:  # the head chose it: it opens the session without reuse instead
+                return None, await self.runner.call(self.backend.open_session, req.session_id, req.n_ctx)
+            raise NeuronBusError(
+                Reason.PREFIX_MISSING,
+                f"{self.engine.node_id} cannot attach the prompt prefix {want.block_hash[:12]} here ({exc}); "
+                "open the route without prefix reuse",
+            ) from None
         self.metrics.prefix_lookups.labels("attached").inc()
         self.metrics.prefill_reused.inc(want.positions)
         return want, await self.runner.call(self.backend.cache_bytes, req.session_id)

@@ -39,7 +39,8 @@ class WorkerMetrics:
         )
         self.prefix_lookups = Counter(
             "neuron_prefix_cache_total",
-            "Prefix cache events: attached, missing (a prefix the head chose is not here), kept, keep_failed",
+            "Prefix cache events: attached, missing (a prefix the head chose is not here), unattachable (held, but "
+            "its state does not fit the session's lane), kept, keep_failed",
             ["event"],
             registry=self.registry,
         )
