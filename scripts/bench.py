@@ -199,7 +199,9 @@ def scrape(port: int, name: str, **labels) -> float:
 
 
 async def generation(client: NeuronClient, route, ids: list[int], n_decode: int, chunk_size: int = 512) -> dict:
-    """One greedy generation of exactly n_decode + 1 tokens; token arrival times."""
+    """One greedy generation of exactly n_decode + 1 tokens; token arrival times. Prefix reuse
+    is off: the prompts of the prefill figures share their first blocks, and they measure the
+    prompt computed (prefix reuse has its own figure, `prefix2k_ttft_vs_cold`)."""
     t0 = time.perf_counter()
     stamps = []
     async for ev in client.generate(
@@ -207,6 +209,7 @@ async def generation(client: NeuronClient, route, ids: list[int], n_decode: int,
         route=route,
         chunk_size=chunk_size,
         sampling=M.SamplingParams(max_tokens=n_decode + 1, ignore_eos=True),
+        prefix_reuse=False,
     ):
         if isinstance(ev, M.TokenDelta):
             stamps.append(time.perf_counter())

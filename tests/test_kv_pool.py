@@ -79,6 +79,18 @@ def test_idle_lanes_give_their_memory_to_another_size():
     assert all(p == 4608 for _, p in lanes.open.values())
 
 
+def test_a_workload_moving_to_short_sessions_gets_short_streams_not_the_idle_long_ones():
+    """Found by scripts/bench: after sessions of 2048 and 4096 positions left idle lanes of long
+    streams, 8 concurrent sessions of 200 positions got only the 6 long streams those lanes held
+    and the rest waited; the idle lanes now give their memory to a lane of the short class."""
+    pool, lanes = KvPool(DEFAULT_BUDGET, 4608, overhead=10_000), FakeLanes()
+    for need in (2049, 4097):
+        pool.release(admit(pool, lanes, need))
+    short = [admit(pool, lanes, 200) for _ in range(16)]
+    assert {s.positions for s in short} == {256} and len({s.lane for s in short}) == 1
+    assert pool.reserved <= pool.budget
+
+
 def test_sizes_are_classes_of_doubling_granules_and_bad_sizes_are_refused():
     pool = KvPool(DEFAULT_BUDGET, 4608)
     assert [pool.size_class(n) for n in (1, 256, 257, 512, 513, 3000, 4608)] == [256, 256, 512, 512, 1024, 4096, 4608]

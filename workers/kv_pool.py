@@ -123,15 +123,17 @@ class KvPool:
     def admit(self, need: int, open_lane: OpenLane, close_lane: CloseLane) -> Slot:
         """A stream for a session of ``need`` positions; raises NoFreeSlot when none can be had.
 
-        In order: a free stream of the session's class; a new lane of that class in free budget;
-        a free stream of another class that holds it; a new lane after dropping idle lanes.
+        In order: a free stream of the session's class; a new lane of that class, in free budget
+        and in what idle lanes of other classes give up (as many as it takes for the new lane to
+        get all the streams the budget allows it: a workload that moved from long sessions to
+        short ones gets short streams, not the few long ones idle lanes would hold); a free
+        stream of another class that holds it.
         """
         size = self.size_class(need)
         lane = (
             self._free_lane(lambda ln: ln.stream_positions == size)
-            or self._new_lane(size, open_lane)
-            or self._free_lane(lambda ln: ln.stream_positions >= need)
             or self._new_lane(size, open_lane, close_lane)
+            or self._free_lane(lambda ln: ln.stream_positions >= need)
         )
         if lane is None:
             raise NoFreeSlot(
@@ -154,9 +156,9 @@ class KvPool:
         lanes = [ln for ln in self.lanes.values() if ln.free and fits(ln)]
         return min(lanes, key=lambda ln: (ln.stream_positions, ln.index)) if lanes else None
 
-    def _streams_that_fit(self, size: int) -> int:
-        """Streams of ``size`` a new lane gets now (0: none fits)."""
-        room = self.budget - self.reserved - self.overhead  # what is left once the new lane's buffers are paid
+    def _streams_that_fit(self, size: int, freed: int = 0) -> int:
+        """Streams of ``size`` a new lane gets now, or once lanes costing ``freed`` are dropped (0: none fits)."""
+        room = self.budget - self.reserved + freed - self.overhead  # left once the new lane's buffers are paid
         if room < size:
             return 0
         keep = self.max_positions + self.overhead if size < self.max_positions else 0
@@ -166,8 +168,9 @@ class KvPool:
     def _new_lane(self, size: int, open_lane: OpenLane, close_lane: CloseLane | None = None) -> Lane | None:
         if close_lane is not None:  # make room: drop lanes without sessions, the longest idle first
             idle = sorted((ln for ln in self.lanes.values() if not ln.in_use), key=lambda ln: ln.idle_since)
+            best = self._streams_that_fit(size, sum(ln.cost for ln in idle))
             for lane in idle:
-                if self._streams_that_fit(size):
+                if self._streams_that_fit(size) >= best:
                     break
                 close_lane(lane.index)
                 del self.lanes[lane.index]
