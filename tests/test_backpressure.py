@@ -23,10 +23,14 @@ def prompt(tokenizer, n: int) -> list[int]:
 
 
 async def watch_generation(swarm: LocalSwarm, ids: list[int], chunk: int, pids: dict[str, int]):
-    """Run one generation; meanwhile sample per-subject queue depth and each hop's RSS."""
+    """Run one generation; meanwhile sample per-subject queue depth and each hop's RSS from the
+    moment the hop has computed the session's first chunk (its KV pool makes a lane for the
+    session at open, and the lane's compute buffers are first touched by that chunk: neither is
+    the prompt)."""
     depth: dict[str, int] = {}
     in_flight: dict[str, int] = {}  # most prefill messages a hop held un-acknowledged
-    rss = {name: [] for name in pids}
+    rss: dict[str, list[int]] = {name: [] for name in pids}
+    opened: set[str] = set()
     async with await NeuronClient.connect(swarm.url) as client:
         js = client.nc.jetstream()
         route = await client.route(swarm.preset)
@@ -47,7 +51,10 @@ async def watch_generation(swarm: LocalSwarm, ids: list[int], chunk: int, pids: 
                     subject = c.config.filter_subject
                     in_flight[subject] = max(in_flight.get(subject, 0), c.num_ack_pending)
             for name, pid in pids.items():
-                rss[name].append(psutil.Process(pid).memory_info().rss)
+                if name not in opened and any(x.position > 0 for x in (await client.sessions(name)).sessions):
+                    opened.add(name)
+                if name in opened:
+                    rss[name].append(psutil.Process(pid).memory_info().rss)
             await asyncio.sleep(0.02)
         result = await gen
     return route, result, depth, in_flight, rss

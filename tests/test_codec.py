@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import zstandard
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -101,6 +101,7 @@ def test_missing_header_rejected(drop):
     garbage=st.text(min_size=1, max_size=12).filter(lambda s: not s.strip().lstrip("-").isdigit()),
 )
 def test_garbled_header_rejected(field, garbage):
+    assume(not (field == "phase" and garbage in ("prefill", "decode")))  # the other phase is no garbage
     headers, body = good()
     headers[field] = garbage
     with pytest.raises(MalformedMessage) as e:
