@@ -24,6 +24,7 @@ import time
 import urllib.request
 
 import msgspec
+import nats.js.errors
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -291,8 +292,12 @@ async def _flags(url: str) -> dict[str, M.NodeTrust]:
     nc = await connect(url)
     try:
         kv = await nc.jetstream().key_value(S.KV_FLAGS)
-        out = {}
-        for key in await kv.keys():
+        out: dict[str, M.NodeTrust] = {}
+        try:
+            keys = await kv.keys()
+        except nats.js.errors.NoKeysError:  # no node flagged yet: an empty bucket
+            keys = []
+        for key in keys:
             try:
                 out[key] = M.decode((await kv.get(key)).value, M.NodeTrust)
             except Exception:
