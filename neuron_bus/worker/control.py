@@ -31,28 +31,27 @@ class ControlPlane:
         self.mover = mover
 
     async def on_message(self, msg: Msg) -> None:
+        await self._answer(msg, self.handle)
+
+    async def on_move(self, msg: Msg) -> None:
+        """``neuron.node.<id>.move``: only trackers may publish there (trust/permissions.py)."""
+        await self._answer(msg, self.move)
+
+    async def _answer(self, msg: Msg, handler) -> None:
+        """Decode a control request, run ``handler`` on it, reply: every failure is an explicit reply."""
         try:
-            reply = await self.handle(M.decode(msg.data, M.ControlRequest))
-        except Exception as exc:  # every failure is an explicit reply
+            reply = await handler(M.decode(msg.data, M.ControlRequest))
+        except Exception as exc:
             if isinstance(exc, MalformedMessage):
                 self.metrics.reject(Reason.BAD_CONTROL)
             reply = M.ControlError(code=getattr(exc, "reason", Reason.ERROR), message=str(exc))
         if msg.reply:
             await msg.respond(M.encode(reply))
 
-    async def on_move(self, msg: Msg) -> None:
-        """``neuron.node.<id>.move``: only trackers may publish there (trust/permissions.py)."""
-        try:
-            req = M.decode(msg.data, M.ControlRequest)
-            if not isinstance(req, M.MoveRange):
-                raise MalformedMessage(Reason.BAD_CONTROL, f"only MoveRange is taken here, not {type(req).__name__}")
-            reply: M.ControlReply = self.mover.accept(req)
-        except Exception as exc:  # every failure is an explicit reply
-            if isinstance(exc, MalformedMessage):
-                self.metrics.reject(Reason.BAD_CONTROL)
-            reply = M.ControlError(code=getattr(exc, "reason", Reason.ERROR), message=str(exc))
-        if msg.reply:
-            await msg.respond(M.encode(reply))
+    async def move(self, req) -> M.MoveAccepted:
+        if not isinstance(req, M.MoveRange):
+            raise MalformedMessage(Reason.BAD_CONTROL, f"only MoveRange is taken here, not {type(req).__name__}")
+        return self.mover.accept(req)
 
     async def handle(self, req):
         if isinstance(req, M.Ping):
