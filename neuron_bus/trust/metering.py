@@ -29,8 +29,9 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage
 from neuron_bus.kvmirror import KVMirror
+from neuron_bus.tasks import Background
 from neuron_bus.topology import topology
-from neuron_bus.trust.events import route_assignment
+from neuron_bus.trust.events import route_assignment, stored
 from neuron_bus.trust.meter import (
     KV_METER,
     Evidence,
@@ -73,7 +74,7 @@ class Meter:
         self.pending: dict[str, _Pending] = {}
         self._work: tuple[int, dict[str, list[float | None]]] = (-1, {})
         self._nodes = KVMirror(self.js, S.KV_NODES, M.CapabilityReport)  # the reports: the model's layer work
-        self._tasks: list[asyncio.Task] = []
+        self._loops = Background()
         self._sub: JetStreamContext.PullSubscription | None = None
 
     async def start(self) -> None:
@@ -93,12 +94,11 @@ class Meter:
                 max_ack_pending=8192,
             ),
         )
-        self._tasks = [asyncio.create_task(self._fetch_loop(sub)), asyncio.create_task(self._settle_loop())]
+        self._loops.spawn(self._fetch_loop(sub), "meter-fetch")
+        self._loops.spawn(self._settle_loop(), "meter-settle")
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._loops.cancel_all()
         if self._sub is not None:
             # closed here: nats-py's fetch takes messages off the subscription's queue without
             # marking them done, so draining the connection would wait on it for ever
@@ -191,12 +191,13 @@ class Meter:
 
     async def evidence(self, session_id: str) -> Evidence:
         ev = Evidence(session_id)
-        ev.validation = await self._last(S.STREAM_VALIDATION, S.validation(session_id), M.ValidationEvent)
+        validation = await self._last(S.STREAM_VALIDATION, S.validation(session_id), M.ValidationEvent)
+        ev.validation = validation[1] if validation else None
         # the session's owner: named by its tail in the validation event, else by the subject of its
         # last telemetry (only the owner and workers may publish under neuron.telemetry.<owner>.>)
         owner = ev.validation.owner if ev.validation else None
         subject = S.telemetry(owner, session_id) if owner else S.telemetry_of_any_owner(session_id)
-        telemetry = await self._last_on(S.STREAM_TELEMETRY, subject, M.GenerationTelemetry)
+        telemetry = await self._last(S.STREAM_TELEMETRY, subject, M.GenerationTelemetry)
         if telemetry:
             ev.telemetry, owner = telemetry[1], owner or S.owner_of_telemetry(telemetry[0])
         ev.deltas = await self._deltas(owner, session_id) if owner else []
@@ -207,12 +208,6 @@ class Meter:
         return ev
 
     async def _last(self, stream: str, subject: str, kind):
-        try:
-            return M.decode((await self.js.get_last_msg(stream, subject)).data, kind)
-        except (jserr.NotFoundError, MalformedMessage):
-            return None
-
-    async def _last_on(self, stream: str, subject: str, kind):
         """The last message on ``subject`` (wildcards allowed) with the subject it came on, or None."""
         try:
             raw = await self.js.get_last_msg(stream, subject)
@@ -224,17 +219,11 @@ class Meter:
         """Every well-formed token delta of the session (forged or malformed ones are skipped by
         `meter_session`: only indices 0..k-1 all present count)."""
         out: list[M.TokenDelta] = []
-        seq, subject = 1, S.session_tokens(owner, session_id)
-        while len(out) < MAX_DELTAS:
-            try:
-                raw = await self.js.get_msg(S.STREAM_TOKENS, seq=seq, subject=subject, next=True)
-            except jserr.NotFoundError:
+        subject = S.session_tokens(owner, session_id)
+        async for delta in stored(self.js, S.STREAM_TOKENS, subject, M.TokenDelta, skip_malformed=True):
+            out.append(delta)
+            if len(out) == MAX_DELTAS:
                 break
-            try:
-                out.append(M.decode(raw.data, M.TokenDelta))
-            except MalformedMessage:
-                pass
-            seq = (raw.seq or seq) + 1
         return out
 
     async def _assignment(self, route_id: str) -> M.RouteAssignment | None:
