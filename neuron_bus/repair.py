@@ -29,7 +29,7 @@ import msgspec
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import NeuronBusError, RouteError
-from neuron_bus.routes import TRUSTED_TIERS, hop_subject
+from neuron_bus.routes import TRUSTED_TIERS, hop_subject, repaired_route_id
 from neuron_bus.trust import sealing
 from workers.errors import Reason
 
@@ -38,8 +38,7 @@ REPAIR_TIMEOUT_S = 20.0
 
 def repaired_route(route: M.RouteAssignment, hop_index: int, node: M.TrackedNode, attempt: int) -> M.RouteAssignment:
     """The route under a new id with ``node`` serving hop ``hop_index``."""
-    base = route.route_id.split("-r")[0][:100]
-    route_id = f"{base}-r{attempt}"
+    route_id = repaired_route_id(route.route_id, attempt)
     hops = []
     for i, h in enumerate(route.hops):
         if i == hop_index:

@@ -12,6 +12,15 @@ from neuron_bus import subjects as S
 TRUSTED_TIERS = ("trusted", "paid-trusted")
 
 
+def base_route_id(route_id: str) -> str:
+    """The tracker's route id behind a repaired one (``<route>-r<n>``, `repaired_route_id`)."""
+    return route_id.split("-r")[0]
+
+
+def repaired_route_id(route_id: str, attempt: int) -> str:
+    return f"{base_route_id(route_id)[:100]}-r{attempt}"
+
+
 def hop_subject(route_id: str, index: int, node_id: str) -> str:
     """The base subject of a hop, keyed by the node serving it; workers append ``.prefill`` /
     ``.decode`` (subjects.hop_input)."""

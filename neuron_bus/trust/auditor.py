@@ -20,6 +20,7 @@ from pathlib import Path
 import nats
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.kv import KeyValue
 
 from neuron_bus import messages as M
 from neuron_bus import models
@@ -28,7 +29,7 @@ from neuron_bus.errors import NeuronBusError
 from neuron_bus.execution import Backend
 from neuron_bus.flow import publish
 from neuron_bus.trust.attribution import DEFAULT_THRESHOLD, Attribution
-from neuron_bus.trust.events import route_assignment, stored, unassigned, validation_event
+from neuron_bus.trust.events import route_assignment, routes_bucket, stored, unassigned, validation_event
 from neuron_bus.trust.replay import make_verdict, reference_backend, replay_single
 from workers.errors import Reason
 
@@ -48,9 +49,11 @@ class Auditor:
         self._backends: dict[tuple[str, bool], Backend] = {}
         self._task: asyncio.Task | None = None
         self.sub: JetStreamContext.PullSubscription | None = None
+        self.routes: KeyValue | None = None
 
     async def start(self) -> None:
         self.kv = await self.js.key_value(S.KV_FLAGS)
+        self.routes = await routes_bucket(self.js)
         async for v in stored(self.js, S.STREAM_AUDIT, f"{S.ROOT}.audit.verdict.>", M.AuditVerdict):
             self.attribution.add(v)
         self.sub = await self.js.pull_subscribe(
@@ -106,7 +109,7 @@ class Auditor:
     async def handle(self, req: M.AuditRequest) -> M.AuditVerdict:
         event = await validation_event(self.js, req.session_id)
         # an event for a route the tracker never assigned (forged, or naming other nodes) pins nothing
-        why = unassigned(event, await route_assignment(self.js, event.route_id))
+        why = unassigned(event, await route_assignment(self.js, event.route_id, self.routes))
         try:
             if why:
                 raise NeuronBusError(Reason.UNASSIGNED, why)

@@ -7,10 +7,12 @@ from collections.abc import AsyncIterator
 
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage, NeuronBusError
+from neuron_bus.routes import base_route_id
 from workers.errors import Reason
 
 
@@ -58,14 +60,23 @@ async def validation_event(js: JetStreamContext, key: str) -> M.ValidationEvent:
     )
 
 
-async def route_assignment(js: JetStreamContext, route_id: str) -> M.RouteAssignment | None:
-    """The tracker's assignment of ``route_id`` (KV neuron-routes, else NEURON_ROUTES), or None."""
+async def routes_bucket(js: JetStreamContext) -> KeyValue | None:
+    """KV neuron-routes, opened once by a reader of many assignments (None: not provisioned)."""
+    try:
+        return await js.key_value(S.KV_ROUTES)
+    except NotFoundError:  # BucketNotFoundError is a NotFoundError
+        return None
+
+
+async def route_assignment(js: JetStreamContext, route_id: str, kv: KeyValue | None = None) -> M.RouteAssignment | None:
+    """The tracker's assignment of ``route_id`` (KV neuron-routes, else NEURON_ROUTES), or None;
+    ``kv``: the bucket as `routes_bucket` opened it (else it is opened for this call)."""
     try:
         S.check_token(route_id, "route id")
     except ValueError:
         return None
     try:
-        kv = await js.key_value(S.KV_ROUTES)
+        kv = kv or await js.key_value(S.KV_ROUTES)
         return M.decode((await kv.get(route_id)).value, M.RouteAssignment)
     except (NotFoundError, MalformedMessage):  # KeyNotFoundError is a NotFoundError
         pass
@@ -78,7 +89,7 @@ async def route_assignment(js: JetStreamContext, route_id: str) -> M.RouteAssign
 def unassigned(event: M.ValidationEvent, assignment: M.RouteAssignment | None) -> str | None:
     """Why an event's route is not one the tracker assigned (None: it is). A repaired route
     (``<route>-r<n>``) keeps the assignment's ranges; only its nodes may differ."""
-    base = event.route_id.split("-r")[0]
+    base = base_route_id(event.route_id)
     if assignment is None or assignment.route_id != base:
         return f"route {event.route_id} was not assigned by the tracker"
     got = [(m.layer_start, m.layer_end) for m in event.route]

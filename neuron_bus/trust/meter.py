@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from neuron_bus import messages as M
+from neuron_bus.routes import base_route_id
 
 WORK_TOLERANCE = 1e-3  # relative: reports round the work per layer to 6 digits
 KV_METER = "neuron-meter"  # session id -> SessionMeter
@@ -41,11 +42,6 @@ KV_METER = "neuron-meter"  # session id -> SessionMeter
 
 def inference_weight(owned_layer_work: float, prefill_tokens: int, decode_tokens: int) -> float:
     return owned_layer_work * prefill_tokens + owned_layer_work * decode_tokens
-
-
-def base_route_id(route_id: str) -> str:
-    """The tracker's route id behind a repaired one (``<route>-r<n>``, repair.py)."""
-    return route_id.split("-r")[0]
 
 
 # ------------------------------------------------------------------------------------ layer work

@@ -24,21 +24,23 @@ import nats
 import nats.js.errors as jserr
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.kv import KeyValue
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage
 from neuron_bus.kvmirror import KVMirror
+from neuron_bus.routes import base_route_id
 from neuron_bus.tasks import Background
 from neuron_bus.topology import topology
-from neuron_bus.trust.events import route_assignment, stored
+from neuron_bus.trust.events import route_assignment, routes_bucket, stored
 from neuron_bus.trust.meter import (
     KV_METER,
     Evidence,
-    base_route_id,
     disagreement,
     layer_work,
     meter_session,
+    route_id_of,
 )
 from workers.errors import Reason
 
@@ -73,6 +75,7 @@ class Meter:
         self.flagged_claims = 0
         self.pending: dict[str, _Pending] = {}
         self._work: tuple[int, dict[str, list[float | None]]] = (-1, {})
+        self._routes: KeyValue | None = None
         self._nodes = KVMirror(self.js, S.KV_NODES, M.CapabilityReport)  # the reports: the model's layer work
         self._loops = Background()
         self._sub: JetStreamContext.PullSubscription | None = None
@@ -82,6 +85,7 @@ class Meter:
             self.kv = await self.js.key_value(KV_METER)
         except (jserr.NotFoundError, jserr.BucketNotFoundError):
             self.kv = await self.js.create_key_value(next(kv for kv in topology().kv if kv.bucket == KV_METER))
+        self._routes = await routes_bucket(self.js)
         await self._nodes.start()
         self._sub = sub = await self.js.pull_subscribe(
             S.LEDGER_ALL,
@@ -201,10 +205,10 @@ class Meter:
         if telemetry:
             ev.telemetry, owner = telemetry[1], owner or S.owner_of_telemetry(telemetry[0])
         ev.deltas = await self._deltas(owner, session_id) if owner else []
-        route_id = ev.validation.route_id if ev.validation else ev.telemetry.route_id if ev.telemetry else ""
+        route_id = route_id_of(ev)
         if route_id:
-            ev.assignment = await self._assignment(base_route_id(route_id))
-        ev.layer_work = await self._layer_work(ev.assignment)
+            ev.assignment = await route_assignment(self.js, base_route_id(route_id), self._routes)
+        ev.layer_work = self._layer_work()
         return ev
 
     async def _last(self, stream: str, subject: str, kind):
@@ -226,10 +230,7 @@ class Meter:
                 break
         return out
 
-    async def _assignment(self, route_id: str) -> M.RouteAssignment | None:
-        return await route_assignment(self.js, route_id)
-
-    async def _layer_work(self, route: M.RouteAssignment | None) -> dict[str, list[float | None]]:
+    def _layer_work(self) -> dict[str, list[float | None]]:
         """The layer work per model revision, from the mirror of KV neuron-nodes (derived again
         when a report changed)."""
         version, work = self._work
