@@ -95,9 +95,10 @@ class NeuronClient:
         tracker_wait: float = TRACKER_WAIT_S,
         **security,
     ) -> NeuronClient:
-        """``security``: ``authenticate``, ``encrypt_activations`` (default: env ``NEURON_ENCRYPT_ACTIVATIONS``,
-        which ``generate --encrypt-activations`` and ``gateway --encrypt-activations`` set)."""
-        security.setdefault("encrypt_activations", os.environ.get(ENCRYPT_ENV, "") == "1")
+        """``security``: ``authenticate``, ``encrypt_activations`` (None or left out: env
+        ``NEURON_ENCRYPT_ACTIVATIONS=1``; ``generate`` and ``gateway --encrypt-activations`` pass True)."""
+        if security.get("encrypt_activations") is None:
+            security["encrypt_activations"] = os.environ.get(ENCRYPT_ENV, "") == "1"
         nc = await connect(url, name="neuron-bus-client", creds=creds)
         return cls(nc, url, queue_limit, tracker_wait, **security)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import typer
@@ -39,8 +38,6 @@ def gateway(
     ),
 ) -> None:
     """Serve the OpenAI-compatible API, the WebSocket /ws, the web page, /metrics and /healthz."""
-    if encrypt_activations:
-        os.environ["NEURON_ENCRYPT_ACTIVATIONS"] = "1"
     from neuron_bus.errors import ServerError
     from neuron_bus.gateway.access import Access
     from neuron_bus.gateway.app import serve
@@ -62,7 +59,17 @@ def gateway(
     try:
         limits = Limits(max_context=max_context, max_queue=max_queue, body_timeout_s=body_timeout)
         asyncio.run(
-            serve(nats, host, port, limits, chunk_size, on_ready=ready, api_keys=api_keys, tracker_wait=tracker_wait)
+            serve(
+                nats,
+                host,
+                port,
+                limits,
+                chunk_size,
+                on_ready=ready,
+                api_keys=api_keys,
+                tracker_wait=tracker_wait,
+                encrypt_activations=encrypt_activations or None,
+            )
         )
     except OSError as exc:  # no NATS server, or the port is taken
         fail(f"gateway cannot start: {exc}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 from typing import cast
@@ -70,13 +69,14 @@ async def run_generation(
     out=sys.stdout,
     policy: str = "public",
     speculative: int = 0,
+    encrypt_activations: bool | None = None,
 ) -> dict:
     """Stream one generation: text to ``out``, a progress bar and tok/s to stderr."""
     err = Console(stderr=True)
     started = time.monotonic()
     deltas: list[M.TokenDelta] = []
     first = None
-    async with await NeuronClient.connect(url) as client:
+    async with await NeuronClient.connect(url, encrypt_activations=encrypt_activations) as client:
         text = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
         p = await client.prepare(model, **text, policy=policy, wire_dtype=wire_dtype, encoding=encoding)
         with GenerationBar(err, len(p.prompt_tokens), sampling.max_tokens, as_json or not err.is_terminal) as bar:
@@ -160,8 +160,6 @@ def generate(
     ),
 ) -> None:
     """Stream a generation from a running bus."""
-    if encrypt_activations:
-        os.environ["NEURON_ENCRYPT_ACTIVATIONS"] = "1"
     if wire_dtype not in ("f32", "bf16"):
         fail("--wire-dtype must be f32 or bf16")
     if policy not in ("public", "private", "paid-trusted"):
@@ -183,6 +181,7 @@ def generate(
                 as_json=as_json,
                 policy=policy,
                 speculative=speculative,
+                encrypt_activations=encrypt_activations or None,
             )
         )
     except RouteError as exc:

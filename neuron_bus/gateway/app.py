@@ -103,11 +103,13 @@ async def serve(
     on_ready=None,
     api_keys: Path | None = None,
     tracker_wait: float = 10.0,
+    encrypt_activations: bool | None = None,
 ) -> None:
-    """Connect to the bus, serve HTTP until SIGINT/SIGTERM, then stop cleanly."""
-    if api_keys:
-        Access(api_keys)  # a bad keys file fails before anything connects
-    client = await NeuronClient.connect(nats_url, queue_limit=limits.max_queue, tracker_wait=tracker_wait)
+    """Connect to the bus, serve HTTP until SIGINT/SIGTERM, then stop cleanly (the CLI has read the
+    keys file once already: a bad one fails before anything connects)."""
+    client = await NeuronClient.connect(
+        nats_url, queue_limit=limits.max_queue, tracker_wait=tracker_wait, encrypt_activations=encrypt_activations
+    )
     app = create_app(client, limits, chunk_size, api_keys)
     # handler_cancellation: a client that hangs up cancels its handler, and with it its generation
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
