@@ -48,7 +48,8 @@ def open_range(
     """
 
     path = Path(path)
-    info = slice_info(path)
+    model = GGUFModel(path)  # parsed once: the slice check, the layer count and the slicer share it
+    info = slice_info(model)
     if info is not None:
         start, end, n_layers = info["layer_start"], info["layer_end"], info["n_layers_total"]
         if (layer_start, layer_end) not in ((None, None), (start, end)):
@@ -56,13 +57,13 @@ def open_range(
                 f"{path} is the slice {info['range']}, not {format_layers(layer_start or 0, layer_end or 0)}"
             )
         return open_backend(kind, path, start, end, threads, n_layers=n_layers, **opts)
-    n_layers = GGUFModel(path).n_layers
+    n_layers = model.n_layers
     start = 0 if layer_start is None else layer_start
     end = n_layers if layer_end is None else layer_end
     if not 0 <= start < end <= n_layers:
         raise BadInput(f"layer range [{start}, {end}) is outside the model's {n_layers} layers")
     if kind == "llama-cpp" and (start, end) != (0, n_layers):
-        path = cached_slice(path, start, end, Path(cache_dir) if cache_dir else slice_cache_dir())
+        path = cached_slice(path, start, end, Path(cache_dir) if cache_dir else slice_cache_dir(), model)
         try:
             return open_backend(kind, path, start, end, threads, n_layers=n_layers, **opts)
         except UnsupportedModel as exc:  # llama.cpp names the slice's own (renumbered) tensors

@@ -96,21 +96,22 @@ def slice_gguf(
     return out_path
 
 
-def cached_slice(model_path: Path, start: int, end: int, cache_dir: Path) -> Path:
+def cached_slice(model_path: Path, start: int, end: int, cache_dir: Path, model: GGUFModel | None = None) -> Path:
     """The slice [start, end) of the whole model at ``model_path``, cut once into ``cache_dir``
-    (keyed by the model file's path, size and modification time)."""
+    (keyed by the model file's path, size and modification time); ``model``: the file already
+    parsed, if the caller has it."""
     model_path = Path(model_path)
     st = model_path.stat()
     key = hashlib.sha256(f"{model_path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
     out = Path(cache_dir) / f"{model_path.stem}.{format_layers(start, end)}.{key}.gguf"
     if not out.is_file():
-        slice_gguf(model_path, start, end, out)
+        slice_gguf(model or model_path, start, end, out)
     return out
 
 
-def slice_info(path: Path) -> dict | None:
+def slice_info(path: Path | GGUFModel) -> dict | None:
     """The range a slice was cut from, or None for a whole model."""
-    model = GGUFModel(path)
+    model = path if isinstance(path, GGUFModel) else GGUFModel(path)
     start = model.field(META_PREFIX + "layer_start")
     if start is None:
         return None

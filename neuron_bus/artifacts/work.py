@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from neuron_bus.artifacts.cuts import MTP, layer_kinds
+from neuron_bus.artifacts.cuts import n_mtp_layers
 from neuron_bus.artifacts.gguf_model import META_PREFIX, OUTPUT, TOKEN_EMBD, GGUFModel, Tensor
 
 _GATHERED = ("ffn_gate_tid2eid.weight",)  # looked up by token id, never multiplied
@@ -52,9 +52,9 @@ def owned_layer_work(
     total = int(m.field(META_PREFIX + "n_layers_total", 0) or 0) or m.n_layers
     total = total if n_layers is None else n_layers
     used = int(m.field(f"{m.arch}.expert_used_count", 0) or 0)
-    kinds = layer_kinds(m)
+    first_mtp = m.n_layers - n_mtp_layers(m)  # MTP blocks are the last ones (cuts.layer_kinds): never run
     tensors = m.layer_tensors(layer_start - offset, layer_end - offset)
-    weights = sum(tensor_work(t, used) for t in tensors if t.layer is not None and kinds[t.layer] != MTP)
+    weights = sum(tensor_work(t, used) for t in tensors if t.layer is not None and t.layer < first_mtp)
     if layer_end == total:
         weights += head_weights(m)
     return weights / 1e6
