@@ -51,7 +51,6 @@ def layer_output_node(arch: str, il: int) -> str:
 
 
 _KV_TYPES = {"f16": L.GGML_TYPE_F16, "f32": L.GGML_TYPE_F32, "q8_0": L.GGML_TYPE_Q8_0}
-_KV_TYPE_BYTES = {"f16": 2.0, "f32": 4.0, "q8_0": 34 / 32}
 
 
 class LlamaCppError(BackendError):
@@ -398,8 +397,6 @@ class Weights:
         self.n_layer = L.llama_model_n_layer(self.model)
         self.n_embd = L.llama_model_n_embd(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.n_head_kv = L.llama_model_n_head_kv(self.model)
-        self.n_swa = L.llama_model_n_swa(self.model)
         # hidden-state rows carry one position per RoPE section stream (llama_hparams::n_pos_per_embd)
         multi = (L.LLAMA_ROPE_TYPE_MROPE, L.LLAMA_ROPE_TYPE_IMROPE)
         self.pos_streams = 4 if L.llama_model_rope_type(self.model) in multi else 1
@@ -423,7 +420,7 @@ class LlamaCppModel:
 
     def __init__(
         self,
-        weights: Weights | str | pathlib.Path,
+        weights: Weights,
         *,
         n_ctx_slot: int,
         n_slots: int,
@@ -433,32 +430,11 @@ class LlamaCppModel:
         tap_output: bool,
         native_tap: bool = True,
     ):
-        self.owns_weights = not isinstance(weights, Weights)
-        self.weights = weights if isinstance(weights, Weights) else Weights(weights)
-        try:
-            self._init_context(n_ctx_slot, n_slots, n_batch, n_threads, config, tap_output, native_tap)
-        except BaseException:
-            if self.owns_weights:
-                self.weights.close()
-            raise
-
-    def _init_context(
-        self,
-        n_ctx_slot: int,
-        n_slots: int,
-        n_batch: int,
-        n_threads: int,
-        config: ContextConfig,
-        tap_output: bool,
-        native_tap: bool,
-    ) -> None:
+        """A context on ``weights`` (loaded once, shared by the worker's contexts; closed by their owner)."""
         mark = len(_errors)
-        w = self.weights
-        self.path, self.model, self.vocab, self.arch = w.path, w.model, w.vocab, w.arch
-        self.n_layer, self.n_embd, self.n_vocab, self.n_head_kv = w.n_layer, w.n_embd, w.n_vocab, w.n_head_kv
-        self.n_swa, self.pos_streams = w.n_swa, w.pos_streams
-        self.config = config
-        self.n_slots = n_slots
+        self.weights = w = weights
+        self.path, self.model, self.arch = w.path, w.model, w.arch
+        self.n_layer, self.n_embd, self.n_vocab, self.pos_streams = w.n_layer, w.n_embd, w.n_vocab, w.pos_streams
         self.n_batch = n_batch
         self.tap = layer_output_tap(self.n_layer, self.n_embd, self.arch, n_batch, native_tap) if tap_output else None
 
@@ -550,8 +526,8 @@ class LlamaCppModel:
                 if rows.shape[0] != batch.raw.n_tokens:
                     raise LlamaCppError(f"boundary node has {rows.shape[0]} rows, batch has {batch.raw.n_tokens}")
                 out, start = [], 0
-                for part in parts:
-                    out.append(rows[start : start + part.x.shape[0]].copy())
+                for part in parts:  # views of the rows the tap handed over (its own copy)
+                    out.append(rows[start : start + part.x.shape[0]])
                     start += part.x.shape[0]
                 return out
             if want == "rows":
@@ -605,5 +581,3 @@ class LlamaCppModel:
         if self.ctx:
             L.llama_free(self.ctx)
             self.ctx = None
-        if self.owns_weights:
-            self.weights.close()
