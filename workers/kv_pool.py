@@ -90,7 +90,6 @@ class KvPool:
             raise BadInput(
                 f"a KV budget of {budget} positions cannot hold one session of {self.max_positions} positions"
             )
-        self.kv_budget = budget
         self.overhead = overhead
         self.budget = budget + overhead
         self.max_streams = max_streams
@@ -165,15 +164,15 @@ class KvPool:
         streams = (room - keep) // size if room - keep >= size else room // size
         return min(self.max_streams, streams)
 
-    def _new_lane(self, size: int, open_lane: OpenLane, close_lane: CloseLane | None = None) -> Lane | None:
-        if close_lane is not None:  # make room: drop lanes without sessions, the longest idle first
-            idle = sorted((ln for ln in self.lanes.values() if not ln.in_use), key=lambda ln: ln.idle_since)
-            best = self._streams_that_fit(size, sum(ln.cost for ln in idle))
-            for lane in idle:
-                if self._streams_that_fit(size) >= best:
-                    break
-                close_lane(lane.index)
-                del self.lanes[lane.index]
+    def _new_lane(self, size: int, open_lane: OpenLane, close_lane: CloseLane) -> Lane | None:
+        # make room: drop lanes without sessions, the longest idle first, as far as the new lane gains
+        idle = sorted((ln for ln in self.lanes.values() if not ln.in_use), key=lambda ln: ln.idle_since)
+        best = self._streams_that_fit(size, sum(ln.cost for ln in idle))
+        for lane in idle:
+            if self._streams_that_fit(size) >= best:
+                break
+            close_lane(lane.index)
+            del self.lanes[lane.index]
         streams = self._streams_that_fit(size)
         if streams < 1:
             return None

@@ -18,8 +18,7 @@ the `_open/_forward/_close/_cache_bytes/_truncate/_export/_import` hooks.
 from __future__ import annotations
 
 import abc
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -59,7 +58,6 @@ class SessionState:
     session_id: str
     n_ctx: int
     position: int = 0  # next position to be written
-    last_used: float = field(default_factory=time.time)
 
 
 class Backend(abc.ABC):
@@ -231,7 +229,6 @@ class Backend(abc.ABC):
     def _advance(self, session_id: str, n: int) -> None:
         st = self._sessions[session_id]
         st.position += n
-        st.last_used = time.time()
 
     def _run(self, session_id: str, position: int, x: np.ndarray) -> np.ndarray:
         self._check(session_id, position, x)

@@ -49,9 +49,6 @@ class RouteConsumers:
             str, list[tuple[JetStreamContext.PushSubscription, str, str]]
         ] = {}  # route -> (subscription, stream, subject)
 
-    def __contains__(self, route_id: str) -> bool:
-        return route_id in self._bound
-
     async def bind(self, route: M.RouteAssignment, hop_index: int) -> None:
         if route.route_id in self._bound:
             return

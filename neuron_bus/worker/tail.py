@@ -34,8 +34,7 @@ TOP_LOGPROBS = 5
 class TokenStep:
     """One generated token: the delta for the client and, unless finished, the next ring step."""
 
-    delta: M.TokenDelta
-    index: int  # which generated token this is (0 = first)
+    delta: M.TokenDelta  # its index: which generated token this is (0 = first)
 
     @property
     def finished(self) -> bool:
@@ -180,7 +179,7 @@ class TailDecoder:
         )
         if finish is not None:
             self.progress.finish("done")
-        return TokenStep(delta=delta, index=index)
+        return TokenStep(delta=delta)
 
     def verify(self, rows: np.ndarray, observe=None) -> list[TokenStep]:
         """The tokens one decode step yields from the logits of its rows [n, vocab].
