@@ -181,6 +181,11 @@ class Backend(abc.ABC):
         self._truncate(session_id, position)
         st.position = position
 
+    @property
+    def can_export(self) -> bool:
+        """Whether a session's cache state can be exported (snapshots, kept prefixes)."""
+        return type(self)._export is not Backend._export
+
     def export_state(self, session_id: str) -> bytes:
         self._state(session_id)
         return self._export(session_id)

@@ -50,7 +50,6 @@ class SessionLifecycle:
         prefix_cache: PrefixCache | None = None,
     ):
         self.prefix_cache = prefix_cache  # None: no prefix reuse on this hop
-        self._cannot_keep = None  # the backend that cannot export its state (no-op hops): nothing to keep
         self.engine = engine
         self.runner = runner
         self.consumers = consumers
@@ -122,7 +121,7 @@ class SessionLifecycle:
             ) from None
         self.metrics.prefix_lookups.labels("attached").inc()
         self.metrics.prefill_reused.inc(want.positions)
-        return want, await self.runner.call(self.backend.cache_bytes, req.session_id)
+        return want, self.backend.cache_bytes(req.session_id)
 
     async def _keep_prefix(self, s, keep: list[str]) -> None:
         """Keep the ended session's KV under its block hashes: those of its prompt and generated
@@ -133,19 +132,16 @@ class SessionLifecycle:
         if keep and keep[:n] == blocks and all(len(h) == 32 for h in keep[n:]):
             blocks = keep
         blocks = blocks[: s.verified // M.PREFIX_BLOCK]  # not a speculative step's drafts
-        if cache is None or not blocks or self._cannot_keep is self.backend:
+        if cache is None or not blocks:
             return
         keys = self._keys(s.open, blocks)
         if cache.holds(keys):
             cache.get(keys[-1], len(keys) * M.PREFIX_BLOCK)  # recently used
             return
-        if not self.backend.capability.supports_truncate:  # a recurrent state cannot be cut back to the prefix
+        # a recurrent state cannot be cut back to the prefix; a no-op hop has no state to export
+        if not (self.backend.capability.supports_truncate and self.backend.can_export):
             return
-        try:
-            blob = await self.runner.call(self._prefix_state, s.session_id, len(blocks) * M.PREFIX_BLOCK)
-        except NotImplementedError:
-            self._cannot_keep = self.backend
-            return
+        blob = await self.runner.call(self._prefix_state, s.session_id, len(blocks) * M.PREFIX_BLOCK)
         if cache.put(keys, blob):
             self.metrics.prefix_lookups.labels("kept").inc()
         self.metrics.prefix_cache_bytes.set(cache.nbytes)
@@ -190,7 +186,7 @@ class SessionLifecycle:
             return 0
         self.node_telemetry.session_ended(failed)
         self.snapshots.forget(session_id)
-        freed = await self.runner.call(self.backend.cache_bytes, session_id)
+        freed = self.backend.cache_bytes(session_id)
         if not failed:
             try:
                 await self._keep_prefix(s, keep or [])
