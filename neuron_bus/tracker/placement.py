@@ -15,8 +15,9 @@ then the lower start.
   stayed `MIN_STAY_S` where it is; of equal gains, the slowest node moves (Petals moves servers
   the same way; none of the peers moves a node's running sessions with it: here they finish first).
 
-Complexity: a picture of n layers and m candidate nodes costs O(n²) per node to rank every range
-(n ≤ a few hundred layers), O(m·n²) for a move plan.
+Complexity: a picture of n layers and m candidate nodes costs O(n³) per node to weigh every one of
+its O(n²) ranges (the capacities after each, O(n)), sorting capacities only for the ranges tied on
+the rest; O(m·n³) for a move plan.
 """
 
 from __future__ import annotations
@@ -114,28 +115,38 @@ def bottleneck(capacity: Sequence[float]) -> float:
     return min(capacity) if capacity else 0.0
 
 
-def _ranked(
+def _best(
     capacity: list[float],
     seams: set[int],
     seconds_per_layer: float,
     fit: Fit,
     loadable: Callable[[int, int], bool],
-) -> list[tuple[tuple, int, int]]:
-    """Every range the node could take, best first: (key, start, end)."""
+    exclude: tuple[int, int] | None = None,
+) -> tuple[tuple, int, int] | None:
+    """The best range the node could take but ``exclude`` (None: none loads): (key, start, end),
+    keys compared as tuples. The sorted capacities (leximin) are derived only for the ranges tied
+    on everything before them: deriving them for every range made a ranking O(n³ log n)."""
     n = len(capacity)
-    out = []
+    top: list[tuple[tuple, int, int, list[float]]] = []  # the ranges tied on the best short key
     for start in range(n):
         for end in range(start + 1, n + 1):
-            if not fit.fits(start, end, n) or not loadable(start, end):
+            if (start, end) == exclude or not fit.fits(start, end, n) or not loadable(start, end):
                 continue
             add = 1.0 / max((end - start) * seconds_per_layer, EPS)
             after = capacity[:start] + [c + add for c in capacity[start:end]] + capacity[end:]
             meets = (start in seams) + (end in seams)
             gaps = sum(1 for c in after if c <= 0)
             runs = sum(1 for i, c in enumerate(after) if c <= 0 and (i == 0 or after[i - 1] > 0))
-            out.append(((-runs, -gaps, round(min(after), 6), meets, leximin(after), -start), start, end))
-    out.sort(key=lambda r: r[0], reverse=True)
-    return out
+            short = (-runs, -gaps, round(min(after), 6), meets)
+            if not top or short > top[0][0]:
+                top = [(short, start, end, after)]
+            elif short == top[0][0]:
+                top.append((short, start, end, after))
+    if not top:
+        return None
+    # the first of equal keys wins (the lowest end): max() keeps the first maximum it meets
+    key, start, end = max((((short + (leximin(after), -a)), a, b) for short, a, b, after in top), key=lambda r: r[0])
+    return key, start, end
 
 
 def choose_range(
@@ -143,10 +154,10 @@ def choose_range(
 ) -> Decision | None:
     """The range a joining node should take (None: nothing it can hold loads)."""
     capacity = picture.capacity()
-    ranked = _ranked(capacity, picture.seams(), picture.seconds_per_layer(), fit, loadable)
-    if not ranked:
+    best = _best(capacity, picture.seams(), picture.seconds_per_layer(), fit, loadable)
+    if best is None:
         return None
-    (_, _, low, meets, _, _), start, end = ranked[0]
+    (_, _, low, meets, _, _), start, end = best
     gaps = sum(1 for c in capacity[start:end] if c <= 0)
     why = f"covers {gaps} uncovered layers" if gaps else f"raises the weakest layers' capacity to {low:.2f} tok/s"
     if meets == 2:
@@ -173,11 +184,11 @@ def plan_move(
         without = picture.capacity(without=p.node_id)
         if any(w <= 0 < c for w, c in zip(without, capacity)):
             continue  # moving it would uncover a layer only it serves
-        ranked = _ranked(without, picture.seams(without=p.node_id), p.seconds_per_layer, fits[p.node_id], loadable)
-        ranked = [r for r in ranked if (r[1], r[2]) != (p.layer_start, p.layer_end)]
-        if not ranked:
+        here = (p.layer_start, p.layer_end)
+        found = _best(without, picture.seams(without=p.node_id), p.seconds_per_layer, fits[p.node_id], loadable, here)
+        if found is None:
             continue
-        key, start, end = ranked[0]
+        key, start, end = found
         gaps_after, low = -key[1], key[2]
         if gaps and gaps_after >= gaps:
             continue  # with layers uncovered, only a move that covers some of them
