@@ -154,8 +154,8 @@ class Placer:
                 what = "any model" if req.model_preset == "any" else f"model {req.model_preset}"
                 why = f"no published artifact of {what}: publish one with `neuron-bus artifact publish`"
                 return M.PlacementRejection(node_id=req.node_id, reasons=[why])
-            pending = await self.pending()
             views = self.views()
+            pending = await self.pending(views)
             options = []
             for m in manifests:
                 pic = picture_of(views, m, pending)
@@ -188,16 +188,16 @@ class Placer:
     async def rebalance(self, full: bool = True) -> M.PlacementDecision | None:
         """Ask one node to move when that helps (at once when a layer is uncovered; else if ``full``)."""
         async with self._lock:
-            pending = await self.pending()
             views = self.views()
+            movable = {v.node_id: v.caps.fit for v in views if v.caps.placement == "auto" and v.caps.fit and v.usable}
+            if not movable:  # only self-placed nodes move: nothing to plan, nothing to read
+                return None
+            pending = await self.pending(views)
             for m in await self.catalog.models():
                 pic = picture_of(views, m, pending)
                 gaps = any(c <= 0 for c in pic.capacity())
                 if not pic.nodes or not (gaps or full):
                     continue
-                movable = {
-                    v.node_id: v.caps.fit for v in views if v.caps.placement == "auto" and v.caps.fit and v.usable
-                }
                 fits = {node: node_fit(m, fit) for node, fit in movable.items() if node not in pending}
                 move = plan_move(
                     pic, fits, time.time(), loadable_in(m), self.params.gain, 0.0 if gaps else self.params.min_stay_s
@@ -230,14 +230,15 @@ class Placer:
         assert self._kv is not None, "the placer has not started"
         return self._kv
 
-    async def pending(self) -> dict[str, M.PlacementDecision]:
-        """Decisions whose node has not announced its range yet (KV neuron-placements)."""
+    async def pending(self, views: Sequence[NodeView]) -> dict[str, M.PlacementDecision]:
+        """Decisions whose node has not announced its range yet (KV neuron-placements); the ones
+        a node of ``views`` announced are deleted."""
         out: dict[str, M.PlacementDecision] = {}
         try:
             keys = await self.kv.keys()
         except Exception:  # an empty bucket
             return out
-        announced = {(v.node_id, v.layer_start, v.layer_end) for v in self.views() if v.alive}
+        announced = {(v.node_id, v.layer_start, v.layer_end) for v in views if v.alive}
         for key in keys:
             try:
                 entry = await self.kv.get(key)
