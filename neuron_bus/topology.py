@@ -132,55 +132,27 @@ def topology(replicas: int = 1, prefill_window: int = DEFAULT_PREFILL_WINDOW) ->
             num_replicas=r,
         ),
     )
+
+    def bucket(name: str, description: str, ttl: float | None = None) -> KeyValueConfig:
+        return KeyValueConfig(
+            bucket=name, description=description, history=1, ttl=ttl, storage=StorageType.FILE, replicas=r
+        )
+
     kv = (
-        KeyValueConfig(
-            bucket=S.KV_NODES,
-            description="node_id -> CapabilityReport",
-            history=1,
-            ttl=None,
-            storage=StorageType.FILE,
-            replicas=r,
+        bucket(S.KV_NODES, "node_id -> CapabilityReport"),
+        bucket(S.KV_FLAGS, "node_id -> NodeTrust (audit record; flagged nodes are excluded from routes)"),
+        bucket(
+            S.KV_PLACEMENTS,
+            "node_id -> PlacementDecision not yet announced by its node (tracker placement)",
+            PENDING_PLACEMENT_S,
         ),
-        KeyValueConfig(
-            bucket=S.KV_FLAGS,
-            description="node_id -> NodeTrust (audit record; flagged nodes are excluded from routes)",
-            history=1,
-            ttl=None,
-            storage=StorageType.FILE,
-            replicas=r,
+        bucket(
+            S.KV_LEASES,
+            "lease name -> holder; entries expire: a holder that stops renewing loses the lease",
+            S.LEASE_TTL_S,
         ),
-        KeyValueConfig(
-            bucket=S.KV_PLACEMENTS,
-            description="node_id -> PlacementDecision not yet announced by its node (tracker placement)",
-            history=1,
-            ttl=PENDING_PLACEMENT_S,
-            storage=StorageType.FILE,
-            replicas=r,
-        ),
-        KeyValueConfig(
-            bucket=S.KV_LEASES,
-            description="lease name -> holder; entries expire: a holder that stops renewing loses the lease",
-            history=1,
-            ttl=S.LEASE_TTL_S,
-            storage=StorageType.FILE,
-            replicas=r,
-        ),
-        KeyValueConfig(
-            bucket=KV_METER,
-            description="session_id -> SessionMeter (metered rewards: what the swarm observed each node compute)",
-            history=1,
-            ttl=None,
-            storage=StorageType.FILE,
-            replicas=r,
-        ),
-        KeyValueConfig(
-            bucket=S.KV_ROUTES,
-            description="route_id -> RouteAssignment",
-            history=1,
-            ttl=DAY,
-            storage=StorageType.FILE,
-            replicas=r,
-        ),
+        bucket(KV_METER, "session_id -> SessionMeter (metered rewards: what the swarm observed each node compute)"),
+        bucket(S.KV_ROUTES, "route_id -> RouteAssignment", DAY),
     )
     objects = (
         ObjectStoreConfig(
