@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import heapq
 import json
 import random
@@ -34,6 +33,7 @@ from nats.aio.subscription import Subscription
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage
+from neuron_bus.gctune import freeze_old_objects
 from neuron_bus.sim import swarm
 from neuron_bus.topology import connect
 from workers.errors import Reason
@@ -256,10 +256,8 @@ async def run(args) -> None:
         emit(error=f"node pool: could not announce the nodes: {exc}")
         raise SystemExit(1) from exc
     # thousands of nodes' state: full collections would stall every pong for 100 ms and more, a
-    # delay no real node has; the state is frozen out of them and they run when the pool is idle
-    gen0, gen1, _ = gc.get_threshold()
-    gc.set_threshold(gen0, gen1, 1_000_000)
-    gc.freeze()
+    # delay no real node has; the pool lives for one simulation and never asks for one
+    freeze_old_objects()
     tasks = [asyncio.create_task(pool.beat_loop()), asyncio.create_task(pool.churn_loop())]
     emit(ready=len(pool.live))
     try:

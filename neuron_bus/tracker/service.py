@@ -62,6 +62,7 @@ import nats.js.errors as jserr
 from neuron_bus import messages
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage, NeuronBusError
+from neuron_bus.gctune import freeze_old_objects
 from neuron_bus.lease import Lease, LeaseError
 from neuron_bus.messages import (
     CapabilityReport,
@@ -193,14 +194,10 @@ class TrackerService:
         await self._background.cancel_all()
 
     def tune_process(self) -> None:
-        """For a tracker process (the CLI calls it): Python's full collections walk every live
-        object (a 10,000-node table holds hundreds of thousands) and stop the event loop for
-        100-200 ms whenever survivors pile up, every few seconds under heartbeats. The young
-        generations stay as they are; what is alive now (modules, the table read from KV) is
-        frozen out of full collections, which run from the sweep loop every FULL_GC_INTERVAL."""
-        gen0, gen1, _ = gc.get_threshold()
-        gc.set_threshold(gen0, gen1, 1_000_000)  # the oldest generation: collected when asked
-        gc.freeze()
+        """For a tracker process (the CLI calls it): what is alive now (modules, the table read
+        from KV) is frozen out of full collections (gctune.py), which run from the sweep loop every
+        FULL_GC_INTERVAL instead of whenever survivors pile up."""
+        freeze_old_objects()
         self._full_gc_at = _mono() + FULL_GC_INTERVAL
         # coverage maps and straggler references are built in a worker thread: the event loop
         # gets the interpreter back within a millisecond (the default is 5 ms a handover)
