@@ -361,7 +361,7 @@ def main() -> int:
     runs = []
     for i in range(args.runs):
         print(f"run {i + 1} of {args.runs}", flush=True)
-        runs.append(run_once(model_path, args.threads, ids_by_size, n_decode, work / f"run{i}"))
+        runs.append(run_once(model_path, args.threads, ids_by_size, n_decode, work / f"run{i}", tok))
     result = bench_record.summarize(runs, quick=args.quick)
     if args.runs > 1:
         print("\n" + bench_record.table(result))
@@ -374,7 +374,7 @@ def main() -> int:
     return 0
 
 
-def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], n_decode: int, work: Path) -> dict:
+def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], n_decode: int, work: Path, tok) -> dict:
     """Every contender once, its table printed; the run's figures."""
     sizes = tuple(ids_by_size)
     t = time.time()
@@ -405,7 +405,7 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
     security = security_cost(paired_security(model_path, threads, ids_by_size[min(sizes)], n_decode, work))
     paired_ratios = [r / s for s, r in paired]
     floor_ms = jetstream_floor.measure()
-    kv = bench_kv.measure(model_path, threads, work, open_tokenizer(model_path))
+    kv = bench_kv.measure(model_path, threads, work, tok)
     think_ms = 1000 / single["decode_tok_s"] / 2  # each hop of a 2-hop route computes about half a token
     floor_think_ms = jetstream_floor.measure(300, think_ms)
     r2, r3 = contenders["route2 llama.cpp"], contenders["route3 llama.cpp"]

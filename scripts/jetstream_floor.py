@@ -39,6 +39,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, StorageType, StreamConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from neuron_bus.natsserver import NatsServer, ServerConfig, free_port  # noqa: E402
+from neuron_bus.tasks import Background  # noqa: E402
 
 STREAM = "FLOOR"
 BODY = b"\0" * 2304
@@ -69,7 +70,7 @@ async def relay(
     js = nc.jetstream()
     stamps: list[float] = []
     done = asyncio.Event()
-    background: set[asyncio.Task] = set()
+    background = Background()
 
     async def forward(msg) -> None:
         if mode == "core":
@@ -84,9 +85,7 @@ async def relay(
                 await ack
                 await msg.ack()
 
-            task = asyncio.create_task(ack_input())
-            background.add(task)
-            task.add_done_callback(background.discard)
+            background.spawn(ack_input())
 
     async def on_msg(msg) -> None:
         if done.is_set():  # the other side's last leg: nothing more to relay
