@@ -377,6 +377,23 @@ class LocalSwarm:
             time.sleep(0.5)
         raise NeuronBusError(Reason.SWARM_NOT_READY, f"swarm not ready after {timeout:.0f}s: {last}")
 
+    def ready_ranges(self) -> dict[str, tuple[int, int]]:
+        """The layer range of every live, ready node, as the tracker's coverage map has it."""
+        from neuron_bus.client import NeuronClient
+
+        async def probe() -> dict[str, tuple[int, int]]:
+            async with await NeuronClient.connect(self.url, **self.admin) as client:
+                report = await client.coverage(self.preset)
+            return {n.node_id: (n.layer_start, n.layer_end) for n in report.nodes if n.alive and n.status == "ready"}
+
+        return asyncio.run(probe())
+
+    def covered(self, n_layers: int) -> bool:
+        """Whether the ready nodes hold every one of the model's ``n_layers`` layers."""
+        from neuron_bus.tracker.layers import uncovered_runs
+
+        return not uncovered_runs(self.ready_ranges().values(), n_layers)
+
     async def _probe(self) -> tuple[set[str], M.RouteAssignment]:
         from neuron_bus.client import NeuronClient
 

@@ -9,27 +9,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 
-from neuron_bus.client import NeuronClient
 from neuron_bus.local_swarm import LocalSwarm
+from neuron_bus.tracker.layers import uncovered_runs
 
 POLL_S = 0.25
-
-
-def ready_ranges(swarm: LocalSwarm) -> dict[str, tuple[int, int]]:
-    async def probe():
-        async with await NeuronClient.connect(swarm.url) as c:
-            report = await c.coverage(swarm.preset)
-            return {n.node_id: (n.layer_start, n.layer_end) for n in report.nodes if n.alive and n.status == "ready"}
-
-    return asyncio.run(probe())
-
-
-def whole(held: dict[str, tuple[int, int]], n_layers: int) -> bool:
-    return set().union(*(set(range(a, b)) for a, b in held.values())) >= set(range(n_layers)) if held else False
 
 
 def measure(model_path: Path, threads: int, work: Path, n_layers: int = 30, timeout: float = 300) -> dict:
@@ -40,17 +26,20 @@ def measure(model_path: Path, threads: int, work: Path, n_layers: int = 30, time
         on_step=lambda text: spawned.append(time.monotonic()) if text.startswith("worker") and not spawned else None
     )
     try:
-        while not whole(ready_ranges(swarm), n_layers):
+        deadline = time.monotonic() + timeout
+        while not swarm.covered(n_layers):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"3 auto workers did not cover the model within {timeout:.0f}s")
             time.sleep(POLL_S)
         covered = time.monotonic() - spawned[0]
-        held = ready_ranges(swarm)
+        held = swarm.ready_ranges()
         tail = next(node for node, (a, b) in held.items() if b == n_layers)
         killed = time.monotonic()
         swarm.kill(tail)
         deadline = killed + timeout
         while time.monotonic() < deadline:
-            now = ready_ranges(swarm)
-            if tail not in now and whole(now, n_layers):
+            now = swarm.ready_ranges()
+            if tail not in now and not uncovered_runs(now.values(), n_layers):
                 break
             time.sleep(POLL_S)
         recovered = time.monotonic() - killed

@@ -23,8 +23,9 @@ from neuron_bus.execution import open_reference
 from neuron_bus.local_swarm import LocalSwarm, WorkerSpec, cli
 from neuron_bus.split import model_split
 from tests.test_reliability import node_alive
-from tests.test_trust import ledger_entries, read, wait_for
+from tests.test_trust import ledger_entries, read
 from tests.test_up import running_up
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(600)
 

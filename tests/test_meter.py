@@ -18,7 +18,7 @@ from neuron_bus.local_swarm import LocalSwarm, cli
 from neuron_bus.topology import connect
 from neuron_bus.trust.meter import KV_METER
 from neuron_bus.trust.permissions import new_passwords
-from tests.test_trust import wait_for
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 

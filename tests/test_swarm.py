@@ -17,6 +17,7 @@ from neuron_bus.artifacts.manifest import build_manifest
 from neuron_bus.client import NeuronClient
 from neuron_bus.local_swarm import LocalSwarm, WorkerSpec, cli
 from neuron_bus.tracker.placement import Fit
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -25,29 +26,11 @@ LONG = 240  # tokens: seconds of decode, long enough to be running when its node
 
 
 def ranges(swarm: LocalSwarm) -> dict[str, tuple[int, int]]:
-    async def probe():
-        async with await NeuronClient.connect(swarm.url) as c:
-            report = await c.coverage(swarm.preset)
-            return {n.node_id: (n.layer_start, n.layer_end) for n in report.nodes if n.alive and n.status == "ready"}
-
-    return asyncio.run(probe())
+    return swarm.ready_ranges()
 
 
 def covered(swarm: LocalSwarm, n_layers: int = 30) -> bool:
-    held = set()
-    for a, b in ranges(swarm).values():
-        held |= set(range(a, b))
-    return held >= set(range(n_layers))
-
-
-def wait_until(what, timeout: float, every: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"not within {timeout:.0f}s")
+    return swarm.covered(n_layers)
 
 
 def generate(swarm: LocalSwarm, ids: list[int]) -> list[int]:
@@ -113,7 +96,7 @@ def test_a_lost_tail_is_covered_by_a_move_and_a_node_asked_to_move_finishes_its_
         # the only tail dies: a head replica moves there, and the swarm serves again
         lost_at = time.monotonic()
         swarm.kill(tails[0])
-        wait_until(lambda: covered(swarm) and tails[0] not in ranges(swarm), 60)
+        wait_for(lambda: covered(swarm) and tails[0] not in ranges(swarm), 60, "a node covering the lost tail")
         assert time.monotonic() - lost_at < 60
         assert generate(swarm, ids) == reference(ids, 16)
 
@@ -135,7 +118,7 @@ def test_a_fourth_worker_takes_the_weakest_range_and_the_slow_replica_is_the_one
             spec = WorkerSpec(None, node, ["--max-layers", "15", *args])
             swarm.workers.append(spec)
             swarm.start_worker(spec)
-            return wait_until(lambda: ranges(swarm).get(node), 120)
+            return wait_for(lambda: ranges(swarm).get(node), 120, f"{node} to take a range")
 
         slow = join("slow", "--slow-ms", "40")  # a second replica of one of the two ranges
         other = (15, 30) if slow == (0, 15) else (0, 15)
@@ -145,7 +128,7 @@ def test_a_fourth_worker_takes_the_weakest_range_and_the_slow_replica_is_the_one
         gone = {node for node, r in ranges(swarm).items() if r == other}
         for node in gone:
             swarm.kill(node)
-        wait_until(lambda: not gone & set(ranges(swarm)) and covered(swarm), 90)
+        wait_for(lambda: not gone & set(ranges(swarm)) and covered(swarm), 90, "the gap to be covered again")
         assert ranges(swarm)["slow"] == other, ranges(swarm)
 
 

@@ -17,6 +17,7 @@ slack for polling and a loaded machine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import subprocess
 import time
@@ -34,6 +35,7 @@ from neuron_bus.local_swarm import LocalSwarm, WorkerSpec, cli
 from neuron_bus.topology import connect
 from neuron_bus.tracker.coverage import coverage_report
 from neuron_bus.tracker.view import NodeView
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(480)]
 
@@ -47,16 +49,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def wait_until(probe, timeout: float, what: str, interval: float = 0.25):
-    """Poll ``probe`` until it returns something truthy; fail with its last value after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"{what}: not after {timeout:.0f}s (last: {last!r})")
+wait_until = functools.partial(wait_for, every=0.25)
 
 
 async def ask_route(url: str, **pins) -> M.RouteAssignment | M.RouteRejection:

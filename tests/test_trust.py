@@ -26,6 +26,7 @@ from neuron_bus.local_swarm import LocalSwarm, cli
 from neuron_bus.topology import connect
 from neuron_bus.trust.events import stored, validation_event
 from neuron_bus.trust.permissions import new_passwords
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
@@ -94,17 +95,6 @@ async def verdicts(js) -> list[M.AuditVerdict]:
 
 async def ledger_entries(js) -> list[M.LedgerEntry]:
     return [e async for e in stored(js, S.STREAM_LEDGER, S.LEDGER_ALL, M.LedgerEntry)]
-
-
-def wait_for(fn, timeout: float, what: str, every: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(every)
 
 
 def test_private_and_paid_trusted_routes_use_only_trusted_nodes(swarm):
