@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from neuron_bus.artifacts.cuts import cut_problem, layer_kinds
+from neuron_bus.artifacts.cuts import cut_problem, layer_kinds, loadable
 from neuron_bus.artifacts.gguf_model import GGUFModel, format_layers
 from neuron_bus.artifacts.work import layer_work, stored_parameters
 from neuron_bus.execution import open_range, open_reference
@@ -205,17 +205,19 @@ def choose_splits(
     split of loadable ranges, else the reason no split exists."""
     n = model.n_layers
     out: dict[int, list[tuple[int, int]] | str] = {}
+    work: list[float] | None = None  # derived once, for the first split that needs it
     for k in ways:
         if k > n:
             out[k] = f"a {n}-layer model has no {k}-way split"
             continue
         bounds = [round(i * n / k) for i in range(k + 1)]
         even = list(zip(bounds[:-1], bounds[1:]))
-        if all(cut_problem(kinds, a, b) is None for a, b in even):
+        if all(loadable(kinds, a, b) for a, b in even):
             out[k] = even
             continue
+        work = work or layer_work(model)
         try:
-            out[k] = balanced_split(layer_work(model), k, allowed=lambda a, b: cut_problem(kinds, a, b) is None)
+            out[k] = balanced_split(work, k, allowed=lambda a, b: loadable(kinds, a, b))
         except ValueError:
             problems = {p for a, b in even if (p := cut_problem(kinds, a, b))}
             out[k] = "; ".join(sorted(problems)) or f"no {k}-way split has only ranges that can be loaded"
