@@ -262,28 +262,10 @@ def test_a_hybrid_snapshot_restores_recurrent_state_in_fresh_backends(arch, mode
 
 def test_repair_refuses_a_route_whose_survivors_cannot_truncate():
     from neuron_bus import messages as M
+    from tests.test_planner import report as capability
 
     def report(node, start, end, truncates):
-        return M.CapabilityReport(
-            node_id=node,
-            model_preset="qwen35",
-            model_revision="r",
-            artifact_id="",
-            backend_id="llama-cpp",
-            layer_start=start,
-            layer_end=end,
-            n_layers_total=12,
-            hidden_size=64,
-            model_arch="qwen35",
-            supported_runtime="llama.cpp",
-            supports_prefill=True,
-            supports_decode_step=True,
-            supports_layer_range=True,
-            supports_partial_artifacts=True,
-            cache_abi="abi",
-            cache_bytes_per_token_estimate=1,
-            supports_truncate=truncates,
-        )
+        return capability(node, start, end, n=12, model="qwen35", model_arch="qwen35", supports_truncate=truncates)
 
     hops = [
         M.RouteHop(node_id=n, layer_start=a, layer_end=b, subject="s", backend_id="llama-cpp", cache_abi="abi")

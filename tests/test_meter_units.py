@@ -9,30 +9,14 @@ import pytest
 
 from neuron_bus import messages as M
 from neuron_bus.trust.meter import Evidence, layer_work, meter_session, reconcile
+from tests.test_planner import report as capability
 
 REV = "rev1"
 
 
 def report(node: str, a: int, b: int, per_layer: float = 1.0, total: int = 4) -> M.CapabilityReport:
-    return M.CapabilityReport(
-        node_id=node,
-        model_preset="m",
-        model_revision=REV,
-        artifact_id="x",
-        backend_id="llama-cpp",
-        layer_start=a,
-        layer_end=b,
-        n_layers_total=total,
-        hidden_size=8,
-        cache_abi="abi",
-        model_arch="llama",
-        supported_runtime="llama.cpp",
-        supports_prefill=True,
-        supports_decode_step=True,
-        supports_layer_range=True,
-        supports_partial_artifacts=True,
-        cache_bytes_per_token_estimate=1,
-        active_parameters_per_layer=[per_layer] * (b - a),
+    return capability(
+        node, a, b, n=total, model="m", model_revision=REV, active_parameters_per_layer=[per_layer] * (b - a)
     )
 
 
