@@ -249,7 +249,8 @@ class GenerationRun:
         req = self._session_open(i, prompt=list(self.tokens) if i == len(hops) - 1 else None)
         req.prefix_blocks, req.reuse_prefix, req.prefix = blocks, reuse, prefix
         reply = await self.client.control(node, req)
-        self.rtt[node] = await ping(self.client.nc, node, timeout=5.0) or 0.0  # for its liveness watch
+        if node not in self.rtt:  # measured once per node of the run, for its liveness watch
+            self.rtt[node] = await ping(self.client.nc, node, timeout=5.0) or 0.0
         return reply
 
     async def _open_each(self, indexes: range, blocks: list[str], prefix: M.PrefixReuse | None) -> None:
@@ -469,8 +470,9 @@ class GenerationRun:
 
         def close(node: str) -> M.SessionClose:  # proven with the hop's input key: only this client can close it
             key = self.key(index[node]) if node in index else ""
-            proof = sealing.LinkKey.parse(key).proof("close", self.session_id) if key else ""
-            return M.SessionClose(session_id=self.session_id, route_id=route.route_id, proof=proof, keep_blocks=keep)
+            req = M.SessionClose(session_id=self.session_id, route_id=route.route_id, keep_blocks=keep)
+            req.proof = sealing.LinkKey.parse(key).proof(*sealing.close_parts(req)) if key else ""
+            return req
 
         await asyncio.gather(
             *(self.client.control(n, close(n), timeout=5) for n in self.opened), return_exceptions=True

@@ -307,7 +307,7 @@ class SessionClose(Struct, tag_field="op", tag="close"):
     session_id: str
     route_id: str
     reason: str = "finished"
-    proof: str = ""  # MAC of ("close", session) with the hop's input key: only the session's client can close it
+    proof: str = ""  # MAC of sealing.close_parts with the hop's input key: only the session's client can close it
     # prefix reuse: the chained block hashes of the session's prompt and the tokens it generated
     # (neuron_bus/prefix.py), extending SessionOpen.prefix_blocks: a hop keeps the session's KV
     # under as many of them as it holds positions for (a chat's next turn reuses the answer too)

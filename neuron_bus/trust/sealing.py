@@ -149,6 +149,12 @@ def verify(header: M.ActivationHeader, body: bytes, key: str, encrypt: bool) -> 
         raise SessionMismatch(Reason.BAD_SEAL, f"session {header.session_id}: sealed body does not open") from None
 
 
+def close_parts(req: M.SessionClose) -> tuple:
+    """What a close's proof covers: the session, and the blocks the hops are to keep of it (a
+    forged close cannot make a hop keep KV under hashes the client never named)."""
+    return ("close", req.session_id) + ((",".join(req.keep_blocks),) if req.keep_blocks else ())
+
+
 def resume_parts(req: M.SessionResume) -> tuple:
     """What a resume's proof covers: the session, the route it moves to and where."""
     o = req.open

@@ -398,7 +398,7 @@ class HopEngine:
         if (
             s is not None
             and s.open.input_key
-            and not sealing.check_proof(s.open.input_key, req.proof, "close", req.session_id)
+            and not sealing.check_proof(s.open.input_key, req.proof, *sealing.close_parts(req))
         ):
             raise NeuronBusError(Reason.NOT_OWNER, f"closing session {req.session_id} needs its client's proof")
 
