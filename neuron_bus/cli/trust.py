@@ -114,7 +114,7 @@ def render_ledger(rows: dict) -> None:
             f"{t.prefill_tokens} + {t.decode_tokens}",
             f"{t.claimed_prefill_tokens} + {t.claimed_decode_tokens}",
             f"[red]yes ({len(t.flags)})[/red]" if t.flagged else "",
-            str(len(t.pending_sessions) + len(t.unmetered_sessions)) or "",
+            str(len(t.pending_sessions) + len(t.unmetered_sessions) or ""),
             str(t.seeding_bytes),
         )
     console = Console()

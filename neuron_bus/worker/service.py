@@ -71,7 +71,12 @@ class WorkerOptions:
 
     def engine(self) -> EngineOptions:
         return EngineOptions(
-            self.max_body, self.slow_ms, self.snapshot_every, self.fault, bool(self.require_keys), self.adaptive_drafts
+            max_body=self.max_body,
+            slow_ms=self.slow_ms,
+            snapshot_every=self.snapshot_every,
+            fault=self.fault,
+            require_keys=bool(self.require_keys),
+            adaptive_drafts=self.adaptive_drafts,
         )
 
 
