@@ -140,5 +140,11 @@ def ledger(node_id: str) -> str:
     return f"{ROOT}.ledger.{check_token(node_id, 'node id')}"
 
 
+def is_own_ledger(subject: str, node_id: str) -> bool:
+    """Was a ledger entry naming ``node_id`` published on that node's own subject? (per-node
+    credentials let a node publish on ``neuron.ledger.<its id>`` only)"""
+    return subject == f"{ROOT}.ledger.{node_id}"
+
+
 def audit_verdict(session_id: str) -> str:
     return f"{ROOT}.audit.verdict.{check_token(session_id, 'session id')}"

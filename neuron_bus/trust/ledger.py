@@ -28,7 +28,7 @@ async def read_ledger(js: JetStreamContext) -> list[M.LedgerEntry]:
     return [
         e
         async for subject, e in stored_on(js, S.STREAM_LEDGER, S.LEDGER_ALL, M.LedgerEntry, skip_malformed=True)
-        if subject == f"{S.ROOT}.ledger.{e.node_id}"
+        if S.is_own_ledger(subject, e.node_id)
     ]
 
 

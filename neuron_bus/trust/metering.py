@@ -133,6 +133,8 @@ class Meter:
             claim = M.decode(msg.data, M.LedgerEntry)
             if claim.kind != "inference" or not claim.session_id:
                 raise MalformedMessage(Reason.NOT_INFERENCE, "no session to meter")
+            if not S.is_own_ledger(msg.subject, claim.node_id):  # as read_ledger: a claim for another node
+                raise MalformedMessage(Reason.NOT_OWNER, f"a claim for {claim.node_id} on {msg.subject}")
             S.check_token(claim.session_id, "session id")
         except (MalformedMessage, ValueError):
             await _ack(msg)  # seeding, or nothing a session could be metered for
