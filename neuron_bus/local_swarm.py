@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,7 +23,7 @@ from neuron_bus.artifacts.cuts import check_cut, layer_kinds
 from neuron_bus.artifacts.gguf_model import GGUFModel, format_layers
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.models import preset_for
-from neuron_bus.natsserver import NatsServer, ServerConfig, check_ports_free, free_port, log_tail
+from neuron_bus.natsserver import NatsServer, ServerConfig, check_ports_free, free_port, log_tail, start_all
 from neuron_bus.split import model_split
 from neuron_bus.topology import connect, ensure_topology
 from neuron_bus.trust.identity import Authority
@@ -315,22 +314,7 @@ class LocalSwarm:
         raise NeuronBusError(Reason.SWARM_NOT_READY, f"gateway not ready after {timeout:.0f}s: {last}")
 
     def _start_servers(self, timeout: float) -> None:
-        """Start every server at once: clustered JetStream becomes healthy only with its peers."""
-        errors: list[Exception] = []
-
-        def start(srv: NatsServer) -> None:
-            try:
-                srv.start(timeout=min(timeout, 60.0))
-            except Exception as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=start, args=(srv,)) for srv in self.servers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        start_all(self.servers, min(timeout, 60.0))
 
     async def _provision(self, **kw) -> None:
         nc = await connect(self.url, max_reconnect_attempts=3, **self.admin)

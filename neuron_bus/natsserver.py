@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -230,3 +231,23 @@ class NatsServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_all(servers: list[NatsServer], timeout: float = 60.0) -> None:
+    """Start every server at once (clustered JetStream becomes healthy only with its peers); the
+    first failure is raised once all have returned."""
+    errors: list[Exception] = []
+
+    def start(srv: NatsServer) -> None:
+        try:
+            srv.start(timeout=timeout)
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(srv,)) for srv in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

@@ -308,10 +308,9 @@ def replication(quick: bool) -> dict:
     """Publish + acknowledgement of a 2304-byte message at 25 ms between regions: R1 and R3 streams
     of a cluster stretched over three regions, from a client on the stream leader's server and
     from one on another region's server (the supercluster's streams are R1, like the first)."""
-    import threading
-
     from nats.js.api import StorageType, StreamConfig
 
+    from neuron_bus.natsserver import start_all
     from neuron_bus.topology import connect
     from neuron_bus.wan.topologies import stretched_cluster
 
@@ -319,11 +318,7 @@ def replication(quick: bool) -> dict:
     out: dict = {}
     with tempfile.TemporaryDirectory() as store, EmulatorProcess() as em:
         servers = stretched_cluster(em, Path(store), REGIONS, WAN_MS)
-        threads = [threading.Thread(target=s.start, kwargs={"timeout": 60}) for s in servers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        start_all(servers, 60)
         by_name = {s.config.server_name: s for s in servers}
 
         async def acks(url: str, subject: str) -> float:
