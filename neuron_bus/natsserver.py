@@ -190,6 +190,12 @@ class NatsServer:
         self.wait_ready(timeout)
         return self
 
+    def monitor(self, endpoint: str, timeout: float = 5.0) -> dict:
+        """A monitoring endpoint's JSON (``varz``, ``jsz``, ``connz``, ``subsz``, …)."""
+        url = f"http://{self.config.host}:{self.config.http_port}/{endpoint}"
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
     def wait_ready(self, timeout: float) -> None:
         """Poll the monitoring endpoint until JetStream reports healthy."""
         url = f"http://{self.config.host}:{self.config.http_port}/healthz?js-enabled-only=true"

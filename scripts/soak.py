@@ -119,9 +119,7 @@ async def load(url: str, minutes: float, concurrency: int, p_cut: float, seed: i
 
 
 def monitor(swarm: LocalSwarm, what: str) -> dict:
-    port = swarm.servers[0].config.http_port
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/{what}", timeout=10) as resp:
-        return json.loads(resp.read())
+    return swarm.servers[0].monitor(what, timeout=10)
 
 
 def rss_mb(swarm: LocalSwarm) -> dict[str, float]:

@@ -3,7 +3,6 @@ on this machine, measured with psutil and stopped by PID."""
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import signal
@@ -11,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,8 +33,7 @@ def start_server(workdir: Path) -> NatsServer:
 
 def varz(server: NatsServer) -> dict:
     """The server's counters (monitoring endpoint): messages, bytes, CPU, memory."""
-    with urllib.request.urlopen(f"http://{server.config.host}:{server.config.http_port}/varz", timeout=5) as resp:
-        return json.loads(resp.read())
+    return server.monitor("varz")
 
 
 @dataclass

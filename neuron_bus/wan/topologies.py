@@ -16,8 +16,6 @@ The emulator's control API (``swarm.emulator``) reshapes or partitions any link 
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 
 from neuron_bus.local_swarm import LocalSwarm
@@ -190,9 +188,7 @@ class RegionSwarm(_Emulated):
 
     def meta_leader(self) -> str | None:
         """The server leading the supercluster's JetStream meta group (from the home server's /jsz)."""
-        cfg = self.server(self.home).config
-        with urllib.request.urlopen(f"http://{cfg.host}:{cfg.http_port}/jsz", timeout=5) as resp:
-            return (json.load(resp).get("meta_cluster") or {}).get("leader")
+        return (self.server(self.home).monitor("jsz").get("meta_cluster") or {}).get("leader")
 
     def wan_shape(self, region: str, shape: Shape) -> None:
         """Reshape the WAN link into ``region`` (both directions)."""
