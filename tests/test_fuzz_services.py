@@ -24,7 +24,6 @@ import time
 import urllib.request
 
 import msgspec
-import nats.js.errors
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -37,6 +36,8 @@ from neuron_bus.local_swarm import LocalSwarm
 from neuron_bus.natsserver import free_port
 from neuron_bus.topology import connect
 from neuron_bus.trust.meter import KV_METER
+from tests.test_trust import flags as trust_flags
+from tests.test_trust import read
 from tests.threaded_loop import Loop
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
@@ -268,7 +269,7 @@ def test_malformed_messages_never_disturb_the_tracker_meter_and_auditor(swarm):
         victim_task.result(180)
         assert not state["errors"], state["errors"][:3]
         assert state["outputs"] and all(out == reference for out in state["outputs"])
-        flags = loop.run(_flags(swarm.url))
+        flags = loop.run(read(swarm.url, trust_flags))
         assert not any(flags.get(n) and flags[n].flagged for n in LEGIT), flags
         assert sum(state["sent"].values()) >= 500, state["sent"]
         print(f"fuzzed the tracker, meter and auditor: {state['sent']}; {len(state['outputs'])} sessions unchanged")
@@ -286,25 +287,6 @@ def test_malformed_messages_never_disturb_the_tracker_meter_and_auditor(swarm):
         state["stop"] = True
         loop.run(client.close())
         loop.close()
-
-
-async def _flags(url: str) -> dict[str, M.NodeTrust]:
-    nc = await connect(url)
-    try:
-        kv = await nc.jetstream().key_value(S.KV_FLAGS)
-        out: dict[str, M.NodeTrust] = {}
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:  # no node flagged yet: an empty bucket
-            keys = []
-        for key in keys:
-            try:
-                out[key] = M.decode((await kv.get(key)).value, M.NodeTrust)
-            except Exception:
-                continue
-        return out
-    finally:
-        await nc.close()
 
 
 # ------------------------------------------------------------------------------ the gateway

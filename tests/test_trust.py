@@ -81,12 +81,19 @@ async def read(url: str, fn):
 
 
 async def flags(js) -> dict[str, M.NodeTrust]:
+    """Every node's trust record in KV neuron-flags; an entry that is not one (fuzzed) is left out."""
     kv = await js.key_value(S.KV_FLAGS)
     try:
         keys = await kv.keys()
-    except Exception:
+    except Exception:  # NoKeysError: nobody flagged yet
         return {}
-    return {k: M.decode((await kv.get(k)).value, M.NodeTrust) for k in keys}
+    out = {}
+    for k in keys:
+        try:
+            out[k] = M.decode((await kv.get(k)).value, M.NodeTrust)
+        except Exception:
+            continue
+    return out
 
 
 async def verdicts(js) -> list[M.AuditVerdict]:
