@@ -576,30 +576,20 @@ def _compressed_metadata(a: CompressedAttention, n_layers: int) -> dict[str, obj
 
 
 def _recurrent_metadata(spec: ArchSpec) -> dict[str, object]:
-    meta: dict[str, object] = {}
-    if isinstance(spec.recurrent, GatedDeltaNet):
-        g = spec.recurrent
-        meta.update(
-            {
-                "ssm.conv_kernel": g.conv_kernel,
-                "ssm.inner_size": g.value_dim,
-                "ssm.state_size": g.state_dim,
-                "ssm.time_step_rank": g.n_v_heads,
-                "ssm.group_count": g.n_k_heads,
-            }
-        )
-    elif isinstance(spec.recurrent, Mamba2):
-        m = spec.recurrent
-        meta.update(
-            {
-                "ssm.conv_kernel": m.conv_kernel,
-                "ssm.inner_size": m.inner,
-                "ssm.state_size": m.state_dim,
-                "ssm.time_step_rank": m.n_heads,
-                "ssm.group_count": m.n_groups,
-            }
-        )
-    return meta
+    r = spec.recurrent
+    if isinstance(r, GatedDeltaNet):  # llama.cpp's names: inner = values, heads = value heads, groups = key heads
+        inner, heads, groups = r.value_dim, r.n_v_heads, r.n_k_heads
+    elif isinstance(r, Mamba2):
+        inner, heads, groups = r.inner, r.n_heads, r.n_groups
+    else:
+        return {}
+    return {
+        "ssm.conv_kernel": r.conv_kernel,
+        "ssm.inner_size": inner,
+        "ssm.state_size": r.state_dim,
+        "ssm.time_step_rank": heads,
+        "ssm.group_count": groups,
+    }
 
 
 def _expert_metadata(spec: ArchSpec) -> dict[str, object]:
