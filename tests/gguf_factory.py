@@ -12,6 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from neuron_bus.artifacts.synthetic import add_spm_tokenizer
 from neuron_bus.artifacts.synthetic import spm_vocab as _vocab  # one vocabulary for every synthetic model
 
 
@@ -38,8 +39,8 @@ def write_tiny_llama(path: Path | str, cfg: TinyLlama = TinyLlama()) -> Path:
     """Write a loadable llama-architecture GGUF with ``cfg.n_layers`` blocks; return its path."""
     path = Path(path)
     rng = np.random.default_rng(cfg.seed)
-    tokens, scores, types = _vocab()
-    vocab = len(tokens)
+    spm = _vocab()
+    vocab = len(spm[0])
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-llama")
     w.add_block_count(cfg.n_layers)
@@ -53,14 +54,7 @@ def write_tiny_llama(path: Path | str, cfg: TinyLlama = TinyLlama()) -> Path:
     w.add_layer_norm_rms_eps(cfg.eps)
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if cfg.quant == "Q8_0" else gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
+    add_spm_tokenizer(w, spm)
 
     def weight(name: str, rows: int, cols: int, quant: str | None = None) -> None:
         arr = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)

@@ -276,6 +276,19 @@ def architecture(name: str) -> ArchSpec:
 # -- the vocabulary --------------------------------------------------------------------------------
 
 
+def add_spm_tokenizer(w: gguf.GGUFWriter, vocab: tuple[list[str], list[float], list[int]]) -> None:
+    """The tokenizer metadata of an `spm_vocab` vocabulary (<unk> 0, <s> 1, </s> 2, BOS added)."""
+    tokens, scores, types = vocab
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+
+
 def spm_vocab() -> tuple[list[str], list[float], list[int]]:
     """A byte-level SentencePiece vocabulary: <unk> <s> </s>, 256 byte tokens, a-z and ▁a-▁z."""
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -648,9 +661,9 @@ def write_model(
     spec = architecture(spec) if isinstance(spec, str) else spec
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tokens, scores, types = spm_vocab()
-    meta = {**_metadata(spec, len(tokens)), **(metadata or {})}
-    tensors = _tensors(spec, len(tokens))
+    vocab = spm_vocab()
+    meta = {**_metadata(spec, len(vocab[0])), **(metadata or {})}
+    tensors = _tensors(spec, len(vocab[0]))
     for name in without:
         if tensors.pop(name, None) is None:
             raise ArtifactError(Reason.BAD_SPEC, f"{spec.arch} has no tensor {name} to leave out")
@@ -659,14 +672,7 @@ def write_model(
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     for key, value in meta.items():
         _add(w, f"{spec.arch}.{key}", value)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
+    add_spm_tokenizer(w, vocab)
     for name, data in tensors.items():
         w.add_tensor(name, data)
     w.write_header_to_file()
