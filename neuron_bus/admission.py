@@ -3,7 +3,8 @@
 A generation whose route has no free session slot right now (``no_free_slot`` from a hop) does not
 fail: it waits in its client's queue — telemetry phase ``queued`` with its position — and tries
 again when another of this client's generations frees its slots, or every `RETRY_S` (other
-clients free slots too). Only the head of the queue tries, so nobody overtakes. With the queue
+clients free slots too). Only the head of the queue tries, so nobody overtakes; with nobody
+waiting a generation tries at once, beside the others starting. With the queue
 at its limit a newcomer is refused at once (``queue_full``: the gateway answers 429 with
 Retry-After); a limit of 0 queues nothing (``no_free_slot`` is then the answer: 503).
 

@@ -40,6 +40,10 @@ async def watch_generation(swarm: LocalSwarm, ids: list[int], chunk: int, pids: 
                 route=route,
                 chunk_size=chunk,
                 sampling=M.SamplingParams(max_tokens=2, ignore_eos=True),
+                # nothing kept at close: with reuse the hops copy the prompt's KV into their prefix
+                # caches (memory under --prefix-cache's budget, not prefill buffering; the head's RSS
+                # grew by its KV twice, 115 MB, when the sampling caught the close)
+                prefix_reuse=False,
             )
         )
         while not gen.done():

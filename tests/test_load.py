@@ -75,7 +75,9 @@ def test_sixteen_concurrent_sessions_all_complete_with_their_solo_output(swarm):
         assert len(g.tokens) == N_TOKENS and g.finish_reason == "length"
         assert g.tokens == s
     assert all(r.sessions == [] for r in reports)  # every session closed, nothing left behind
-    assert all(sum(r.rejected.values()) == 0 for r in reports)  # nothing dropped or refused on the way
+    assert all(sum(r.rejected.values()) == 0 for r in reports), [
+        r.rejected for r in reports
+    ]  # nothing dropped or refused on the way
 
 
 @pytest.fixture(scope="module")
