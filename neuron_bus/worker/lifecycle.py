@@ -2,7 +2,8 @@
 
 The engine checks each request and records the session (engine.py); this module does the rest:
 the backend's cache work on the backend thread (allocate, import a snapshot, truncate, free),
-the route's consumers (bound with its first session, unbound with its last), the ledger entry at
+the route's consumers (bound with its first session, unbound with its last once the outbox has
+acknowledged its inputs: deliveries.py), the ledger entry at
 close, and the gauges.
 
 Prefix reuse (neuron_bus/prefix.py): a session that ends keeps the KV of its prompt's prefix in
@@ -43,6 +44,7 @@ class SessionLifecycle:
         engine,
         runner,
         consumers,
+        deliveries,
         snapshots,
         trail,
         node_telemetry,
@@ -53,6 +55,7 @@ class SessionLifecycle:
         self.engine = engine
         self.runner = runner
         self.consumers = consumers
+        self.deliveries = deliveries  # what the outbox still sends for each session
         self.snapshots = snapshots
         self.trail = trail
         self.node_telemetry = node_telemetry
@@ -167,6 +170,7 @@ class SessionLifecycle:
         self.engine.add_resumed(req, position)
         await self.consumers.bind(o.route, o.hop_index)
         if old is not None and old.route.route_id not in self.engine.sessions.routes():
+            await self.deliveries.settled(o.session_id)  # inputs left unacknowledged would outlive the consumer
             await self.consumers.unbind(old.route.route_id)
         self.update_gauges()
         return M.SessionResumed(
@@ -196,6 +200,7 @@ class SessionLifecycle:
         await self.runner.call(self.backend.close_session, session_id)
         await self.trail.close(s.open)
         if s.route.route_id not in self.engine.sessions.routes():
+            await self.deliveries.settled(session_id)  # inputs left unacknowledged would outlive the consumer
             await self.consumers.unbind(s.route.route_id)
         self.update_gauges()
         return freed

@@ -34,7 +34,7 @@ log = logging.getLogger("neuron_bus.worker")
 
 
 class Outbox:
-    def __init__(self, nc, engine, runner, lifecycle, snapshots, trail, metrics):
+    def __init__(self, nc, engine, runner, lifecycle, deliveries, snapshots, trail, metrics):
         self.nc, self.js = nc, nc.jetstream()
         self.engine = engine
         self.runner = runner
@@ -44,7 +44,7 @@ class Outbox:
         self.metrics = metrics
         self.node_id = engine.node_id
         self._background = Background()  # deliveries and rejections' replies: never awaited by the loop
-        self._last: dict[str, asyncio.Task] = {}  # session -> its latest delivery not finished yet
+        self.deliveries = deliveries
 
     async def stop(self) -> None:
         await self._background.cancel_all()
@@ -58,9 +58,7 @@ class Outbox:
                 await self._snapshot(out.step.session)
         for out in outputs:
             sid = out.step.session.session_id
-            task = self._background.spawn(self._deliver(out, self._last.get(sid)))
-            self._last[sid] = task
-            task.add_done_callback(lambda t, sid=sid: self._last.pop(sid) if self._last.get(sid) is t else None)
+            self.deliveries.record(sid, self._background.spawn(self._deliver(out, self.deliveries.latest(sid))))
 
     async def _deliver(self, out: Output, before: asyncio.Task | None) -> None:
         if before is not None:  # the session's previous output first

@@ -30,6 +30,7 @@ from neuron_bus.topology import identity_of
 from neuron_bus.worker.audit_trail import AuditTrail
 from neuron_bus.worker.consumers import RouteConsumers
 from neuron_bus.worker.control import ControlPlane
+from neuron_bus.worker.deliveries import Deliveries
 from neuron_bus.worker.engine import EngineOptions, Failed, Gone, HopEngine, Incoming, Output
 from neuron_bus.worker.heartbeat import Heartbeat
 from neuron_bus.worker.lifecycle import SessionLifecycle
@@ -111,14 +112,17 @@ class WorkerService:
         self.node_telemetry = NodeTelemetry(self.node_id)
         self.snapshots = SnapshotStore(nc, report, self.metrics, url=self.opts.snapshot_url)
         prefixes = PrefixCache(self.opts.prefix_cache_bytes) if self.opts.prefix_cache_bytes > 0 else None
+        deliveries = Deliveries()
         self.lifecycle = SessionLifecycle(
-            self.engine, self.runner, self.consumers, self.snapshots, self.trail, self.node_telemetry, self.metrics,
-            prefixes,
+            self.engine, self.runner, self.consumers, deliveries, self.snapshots, self.trail, self.node_telemetry,
+            self.metrics, prefixes,
         )  # fmt: skip
         self.mover = Mover(self, reload)
         self.control = ControlPlane(self.node_id, self.lifecycle, self.runner, tokenizer, self.metrics, self.mover)
         self.heartbeat = Heartbeat(nc, report, self.engine, self.runner, self.node_telemetry)
-        self.outbox = Outbox(nc, self.engine, self.runner, self.lifecycle, self.snapshots, self.trail, self.metrics)
+        self.outbox = Outbox(
+            nc, self.engine, self.runner, self.lifecycle, deliveries, self.snapshots, self.trail, self.metrics
+        )
         self._loops: list[asyncio.Task] = []
         self._control_sub: Subscription | None = None
         self._move_sub: Subscription | None = None
