@@ -74,7 +74,15 @@ class Outbox:
         except Exception as exc:
             log.warning("worker %s: output of %s not sent: %s", self.node_id, out.step.session.session_id, exc)
             return
-        await out.step.handle.ack()
+        if not out.finished:
+            await out.step.handle.ack()
+            return
+        try:  # the session's last input: its ack processed before the close can delete the consumer
+            await out.step.handle.ack_sync()
+        except Exception as exc:  # unconfirmed: may reach the route's next binding, refused there
+            log.warning(
+                "worker %s: last input of %s not confirmed acked: %s", self.node_id, out.step.session.session_id, exc
+            )
 
     async def _send(self, out: Output) -> None:
         s = out.step.session
