@@ -172,34 +172,31 @@ class GenerationRun:
         reached their first tokens 0.3 s apart each). Refused for want of a slot, or others
         already waiting: join the queue, behind them."""
         admission = self.client.admission
-        refused = False  # for want of a slot, as the head of the queue or before joining it
-        if not admission.queues or not len(admission):
-            refused = await self._start_unless_full()
-            if not refused:
-                return
+        if not admission.queues:
+            await self._try_start()
+            return
+        if not len(admission) and await self._started():
+            return
         ticket = admission.enter()
         try:
             while True:
-                while (position := admission.position(ticket)) > 0 or refused:
-                    yield await self._queued(position)
-                    await admission.changed(admission.retry_s)
-                    refused = False
-                refused = await self._start_unless_full()
-                if not refused:
+                yield await self._queued(admission.position(ticket))
+                await admission.changed(admission.retry_s)
+                if admission.position(ticket) == 0 and await self._started():
                     return
         finally:
             admission.leave(ticket)
 
-    async def _start_unless_full(self) -> bool:
-        """Start; True when a hop had no free slot (and every hop opened gave its slot back)."""
+    async def _started(self) -> bool:
+        """Start; False when a hop had no free slot (the hops that had one then give it back)."""
         try:
             await self._try_start()
-            return False
+            return True
         except RouteError as exc:
-            if not self.client.admission.queues or exc.reason != Reason.NO_FREE_SLOT:
+            if exc.reason != Reason.NO_FREE_SLOT:
                 raise
             await self._close_sessions()
-            return True
+            return False
 
     async def _queued(self, position: int) -> M.GenerationTelemetry:
         self.progress.queued(position)
