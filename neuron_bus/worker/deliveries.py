@@ -6,7 +6,9 @@ A hop's last session of a route to close waits for them before the route's consu
 an input still unacknowledged when its consumer goes stays in the work-queue stream and is
 delivered to the route's next binding, a step of a session nobody holds (the tail of a finished
 generation acknowledges its last input after the token's publish, the validation event and the
-telemetry, while the client may already have closed the session).
+telemetry, while the client may already have closed the session). That last input is acknowledged
+with ``ack_sync`` (outbox.py): a plain ack may still wait in the server's queue when the
+consumer's deletion is processed.
 """
 
 from __future__ import annotations
