@@ -39,6 +39,7 @@ class WorkerSpec:
     layers: tuple[int, int] | None  # None: --layers auto (the tracker places it)
     node_id: str
     extra: list[str] = field(default_factory=list)
+    model: str | None = None  # for --layers auto: the model it asks for ("any": the tracker picks); None: the swarm's
 
 
 def nats_servers(workdir: Path, cluster: int, port: int | None, http_port: int | None, extra: str) -> list[NatsServer]:
@@ -213,7 +214,7 @@ class LocalSwarm:
 
     def start_worker(self, spec: WorkerSpec) -> subprocess.Popen:
         if spec.layers is None:
-            what = ["--model", self.preset, "--layers", "auto"]
+            what = ["--model", spec.model or self.preset, "--layers", "auto"]
         elif self.artifact_id:
             what = ["--artifact", self.artifact_id, "--layers", format_layers(*spec.layers)]
         else:

@@ -149,7 +149,7 @@ class Placer:
 
     async def place(self, req: M.PlacementRequest) -> M.PlacementReply:
         async with self._lock:
-            manifests = await self.catalog.models(req.model_preset)
+            manifests = await self.catalog.models(req.model_preset, fresh=True)
             if not manifests:
                 what = "any model" if req.model_preset == "any" else f"model {req.model_preset}"
                 why = f"no published artifact of {what}: publish one with `neuron-bus artifact publish`"
