@@ -87,14 +87,16 @@ def test_slow_hop_holds_its_upstream_to_the_window(smollm2_path, tmp_path):
     assert depth.get(tail_subject) == WINDOW
     assert max(depth.values()) <= WINDOW
     assert depth.get(head_subject, 0) <= WINDOW
-    assert max(in_flight.values()) <= 1  # each hop works on one chunk at a time
+    # a hop takes what the window lets wait for it, no more: its unacknowledged chunks stay in the stream
+    assert max(in_flight.values()) <= WINDOW
     # and the whole prompt waited on the slow hop (20 chunks x 150 ms), it was not buffered ahead
     assert elapsed > 20 * 0.15
 
 
 def test_prefill_memory_of_every_hop_is_bounded_by_chunk_size(smollm2_path, tmp_path):
-    """During a 4K prefill every hop holds at most one chunk in flight (MaxAckPending 1) and at
-    most WINDOW chunks wait for it in the stream; its RSS grows by its KV, not by the prompt."""
+    """During a 4K prefill at most WINDOW chunks wait for a hop in the stream, those it holds
+    unacknowledged among them (its MaxAckPending is the window); its RSS grows by its KV, not by
+    the prompt."""
     from workers.tokenizer import Tokenizer
 
     tok = Tokenizer(smollm2_path)
@@ -104,7 +106,7 @@ def test_prefill_memory_of_every_hop_is_bounded_by_chunk_size(smollm2_path, tmp_
         _, result, depth, in_flight, rss = asyncio.run(watch_generation(swarm, prompt(tok, 4096), 256, pids))
     assert len(result.tokens) == 2
     assert max(depth.values()) <= WINDOW
-    assert max(in_flight.values()) <= 1
+    assert max(in_flight.values()) <= WINDOW
     # KV of a hop's layers (19 at most) for 4K positions: 2 (k, v) x 3 KV heads x 64 dims x 2 bytes (f16) per layer
     kv_bytes = 4096 * max(end - start for start, end in (w.layers for w in swarm.workers)) * 2 * 3 * 64 * 2
     for name, samples in rss.items():

@@ -1,9 +1,9 @@
 """The JetStream consumers a worker binds for each route it serves: the hop's prefill and decode
 subjects, each a push consumer with explicit acks.
 
-Decode steps may be many in flight (one per decoding session); prefill chunks few (one by
-default): that, the prefill subject's window (topology.py), and the acknowledgement of an input
-only once its output was accepted downstream are what hold a slow hop's upstream. A
+Decode steps may be many in flight (one per decoding session); prefill chunks few (the prefill
+subject's window, topology.py, by default): that window, and the acknowledgement of an input only
+once its output was accepted downstream, are what hold a slow hop's upstream. A
 work-queue stream allows one consumer per subject: binding first deletes consumers left on it by
 an earlier binding or a previous run of this node. Every received message becomes an `Incoming`
 on the phase's queue.

@@ -26,7 +26,7 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.prefix import PrefixCache
 from neuron_bus.timing import HEARTBEAT_INTERVAL_S
-from neuron_bus.topology import identity_of
+from neuron_bus.topology import DEFAULT_PREFILL_WINDOW, identity_of
 from neuron_bus.worker.audit_trail import AuditTrail
 from neuron_bus.worker.consumers import RouteConsumers
 from neuron_bus.worker.control import ControlPlane
@@ -55,9 +55,10 @@ class WorkerOptions:
     max_decode_batch: int = 8
     batch_wait_ms: float = 10.0  # how long hop 0 may hold a decode step for other sessions' steps
     decode_ack_pending: int = 256
-    # prefill chunks in flight per route and hop: one, so a slow next hop holds this hop at once (a
-    # window of 4 started 8 sessions over 25 ms links within 1.0 s of each other instead of 1.3 s)
-    prefill_ack_pending: int = 1
+    # prefill chunks in flight per route and hop: what the prefill subject lets wait (its window caps
+    # it). With one, each chunk held the subject for its compute plus three link crossings (forward
+    # acknowledged, ack, next delivery): over 25 ms links a route's sessions started 0.12 s apart.
+    prefill_ack_pending: int = DEFAULT_PREFILL_WINDOW
     max_body: int = codec.DEFAULT_MAX_BODY
     slow_ms: float = 0.0  # add this much delay per backend call (fault injection for tests)
     snapshot_every: int = 0  # write a KV snapshot whenever a decoding session crosses a multiple of this
