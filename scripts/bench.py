@@ -456,8 +456,8 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
         + f"  (median {statistics.median(paired_ratios):.2f}x)"
     )
     print(
-        f"per-hop overhead with no-op hops: p50 {per_hop_p50:.3f} ms "
-        f"(a bare two-process JetStream relay on this machine: {floor_ms:.3f} ms per leg; "
+        f"per-hop overhead with no-op hops: p50 {per_hop_p50:.3f} ms, {per_hop_p50 / floor_ms:.2f}x "
+        f"a bare two-process JetStream relay on this machine ({floor_ms:.3f} ms per leg; "
         f"{floor_think_ms:.3f} ms when each leg also waits {think_ms:.1f} ms for a backend thread)"
     )
     print(
@@ -497,6 +497,7 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
         "prefill_seam_bytes_per_token": r2["prefill_seam_bytes_per_token"],
         "per_hop_overhead_ms_p50": per_hop_p50,
         "jetstream_relay_floor_ms_p50": floor_ms,
+        "noop_hop_vs_relay_floor": per_hop_p50 / floor_ms,  # issue 20's target: at most 1.3
         "jetstream_relay_floor_with_backend_ms_p50": floor_think_ms,
         "aggregate_decode_tok_s": agg,
         "concurrent8_vs_single_ratio": agg[8] / agg[1],
