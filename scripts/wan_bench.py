@@ -247,6 +247,9 @@ def bench_topology(kind: str, model: Path, hops: int, work: Path, tok, quick: bo
             shape(swarm, WAN_MS, RATE_MBIT)
             long_ids = prompt_ids(tok, TTFT_PROMPT)
             out["ttft1024"] = {}
+            if isinstance(swarm, RegionSwarm):  # regions' TTFT is slow with the meta leader in the tail's region
+                out["meta_leader"] = swarm.meta_leader()
+                log(f"  {kind}: the JetStream meta leader is {out['meta_leader']}")
             for wire, encoding in WIRES:
                 r = asyncio.run(ttft_once(url, long_ids, wire, encoding, ports))
                 stages = ttft_stages(
