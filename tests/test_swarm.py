@@ -79,7 +79,11 @@ def test_a_lost_tail_is_covered_by_a_move_and_a_node_asked_to_move_finishes_its_
                 mover = route.hops[0].node_id
                 sampling = M.SamplingParams(max_tokens=LONG, ignore_eos=True)
                 run = asyncio.create_task(c.complete(prompt_tokens=ids, route=route, sampling=sampling))
-                await asyncio.sleep(0.5)
+                # decoding on the mover before it is asked (a fixed 0.5 s was too short under the full suite's load)
+                deadline = time.monotonic() + 30
+                while not any(x.position > len(ids) for x in (await c.sessions(mover)).sessions):
+                    assert time.monotonic() < deadline and not run.done(), "the session never decoded on its head"
+                    await asyncio.sleep(0.05)
                 other = next(n for n in heads if n != mover) if mover in heads else None
                 move = M.MoveRange(
                     model_preset=swarm.preset, artifact_id=swarm.artifact_id, layer_start=0, layer_end=15, reason="test"
