@@ -259,7 +259,7 @@ class LocalSwarm:
         asyncio.run(self._provision(**kw))
         if self.from_store:
             step("publishing the model to the shard swarm")
-            self.artifact_id = asyncio.run(self._publish())
+            self.artifact_id = self.publish(self.model_path)
         trackers = ["tracker" if i == 0 else f"tracker-{i}" for i in range(self.trackers)]
         if self.authority is not None:
             for name, role in [*((t, "tracker") for t in trackers), ("auditor", "auditor"), ("gateway", "gateway")]:
@@ -332,14 +332,18 @@ class LocalSwarm:
         finally:
             await nc.close()
 
-    async def _publish(self) -> str:
+    def publish(self, model_path: Path) -> str:
+        """Seed a model into this swarm's shard swarm (the swarm's own, or another for --model any); its artifact id."""
         from neuron_bus.artifacts.swarm import publish
 
-        nc = await connect(self.url, max_reconnect_attempts=3, **self.admin)
-        try:
-            return (await publish(nc.jetstream(), [self.model_path])).artifact_id
-        finally:
-            await nc.close()
+        async def seed() -> str:
+            nc = await connect(self.url, max_reconnect_attempts=3, **self.admin)
+            try:
+                return (await publish(nc.jetstream(), [model_path])).artifact_id
+            finally:
+                await nc.close()
+
+        return asyncio.run(seed())
 
     def wait_ready(self, timeout: float) -> M.RouteAssignment:
         """Block until the tracker sees every worker alive and hands out a complete route."""
@@ -362,16 +366,20 @@ class LocalSwarm:
             time.sleep(0.5)
         raise NeuronBusError(Reason.SWARM_NOT_READY, f"swarm not ready after {timeout:.0f}s: {last}")
 
-    def ready_ranges(self) -> dict[str, tuple[int, int]]:
-        """The layer range of every live, ready node, as the tracker's coverage map has it."""
+    def coverage(self, model: str | None = None) -> M.CoverageReport:
+        """The tracker's coverage map (of ``model``; None: every model), asked as admin."""
         from neuron_bus.client import NeuronClient
 
-        async def probe() -> dict[str, tuple[int, int]]:
+        async def probe() -> M.CoverageReport:
             async with await NeuronClient.connect(self.url, **self.admin) as client:
-                report = await client.coverage(self.preset)
-            return {n.node_id: (n.layer_start, n.layer_end) for n in report.nodes if n.alive and n.status == "ready"}
+                return await client.coverage(model)
 
         return asyncio.run(probe())
+
+    def ready_ranges(self) -> dict[str, tuple[int, int]]:
+        """The layer range of every live, ready node, as the tracker's coverage map has it."""
+        report = self.coverage(self.preset)
+        return {n.node_id: (n.layer_start, n.layer_end) for n in report.nodes if n.alive and n.status == "ready"}
 
     def covered(self, n_layers: int) -> bool:
         """Whether the ready nodes hold every one of the model's ``n_layers`` layers."""

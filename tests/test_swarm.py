@@ -105,18 +105,10 @@ def test_a_lost_tail_is_covered_by_a_move_and_a_node_asked_to_move_finishes_its_
         assert generate(swarm, ids) == reference(ids, 16)
 
 
-def coverage(swarm: LocalSwarm, model: str | None = None) -> M.CoverageReport:
-    async def probe() -> M.CoverageReport:
-        async with await NeuronClient.connect(swarm.url, **swarm.admin) as client:
-            return await client.coverage(model)
-
-    return asyncio.run(probe())
-
-
 def weakest(swarm: LocalSwarm, candidates: list[tuple[int, int]]) -> tuple[tuple[int, int], dict]:
     """Of ``candidates``, the range whose layers carry the least decode tok/s in the tracker's
     coverage map (the summed measured rates of the live replicas), and every candidate's figure."""
-    (group,) = coverage(swarm, swarm.preset).models
+    (group,) = swarm.coverage(swarm.preset).models
     per_layer = {c.layer: c.capacity_tokens_per_second for c in group.layers}
     carried = {r: min(per_layer[i] for i in range(*r)) for r in candidates}
     return min(candidates, key=carried.__getitem__), carried
@@ -166,29 +158,19 @@ def test_two_trackers_never_hand_the_same_gap_to_two_nodes(smollm2_path, tmp_pat
 
 
 def test_a_worker_for_any_model_serves_the_published_model_that_needs_it_most(smollm2_path, tmp_path):
-    from neuron_bus.artifacts.swarm import publish
     from neuron_bus.artifacts.synthetic import write_model
-    from neuron_bus.topology import connect
 
     synthetic = write_model(tmp_path / "llama.gguf", "llama")
     swarm = LocalSwarm(smollm2_path, workdir=tmp_path / "swarm", auto_workers=1)  # covers SmolLM2 whole
     with swarm:
         assert ranges(swarm) == {"worker-0": (0, 30)}
-
-        async def seed() -> str:
-            nc = await connect(swarm.url, **swarm.admin)
-            try:
-                return (await publish(nc.jetstream(), [synthetic])).artifact_id
-            finally:
-                await nc.close()
-
-        artifact = asyncio.run(seed())
+        artifact = swarm.publish(synthetic)
         spec = WorkerSpec(None, "any-model", model="any")
         swarm.workers.append(spec)
         swarm.start_worker(spec)
 
         def groups() -> dict[str, M.ModelCoverage]:
-            return {g.model_preset: g for g in coverage(swarm).models}
+            return {g.model_preset: g for g in swarm.coverage().models}
 
         def covering() -> M.ModelCoverage | None:
             group = groups().get("llama")
@@ -198,7 +180,7 @@ def test_a_worker_for_any_model_serves_the_published_model_that_needs_it_most(sm
         group = wait_for(covering, 120, "the any-model worker to cover the synthetic model")
         assert len(group.layers) == group.n_layers_total
         assert groups()["smollm2-135m"].layers[0].replicas == ["worker-0"]
-        decisions = coverage(swarm).placements
+        decisions = swarm.coverage().placements
         assert any(d.node_id == "any-model" and d.artifact_id == artifact for d in decisions), decisions
 
 

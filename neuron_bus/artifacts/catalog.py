@@ -1,9 +1,9 @@
 """The models a self-placing node can be given: every artifact published in the shard swarm.
 
 Manifests are content-addressed (an artifact id names exactly one), so each is read from the
-object store once and kept; the list of artifacts is read again for every joining node (``fresh``:
-a model published a moment ago must be there for it), when a preset is asked for that is not
-known yet, and at most every `REFRESH_S` otherwise (the placer's periodic rebalancing).
+object store once and kept; the list of artifacts is read again when asked ``fresh`` (for every
+joining node: a model published a moment ago must be there for it) and at most every `REFRESH_S`
+otherwise (the placer's periodic rebalancing).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Catalog:
     async def models(self, preset: str | None = None, fresh: bool = False) -> list[ArtifactManifest]:
         """The published artifacts (of ``preset``; None or "any": all), newest listing first."""
         want = None if preset in (None, "any") else preset
-        if fresh or time.monotonic() - self._listed > REFRESH_S or (want and not self._of(want)):
+        if fresh or time.monotonic() - self._listed > REFRESH_S:
             await self._refresh()
         return self._of(want) if want else list(self._manifests.values())
 

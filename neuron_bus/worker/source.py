@@ -128,7 +128,7 @@ async def auto_source(url: str, model: str, fit: M.NodeFit, node_id: str, backen
     nc = await connect(url, name=f"neuron-worker-{node_id}-placement", max_reconnect_attempts=3)
     try:
         js = nc.jetstream()
-        manifests = await Catalog(js).models(preset)
+        manifests = await Catalog(js).models(preset, fresh=True)
         if not manifests:
             what = "any model" if preset == "any" else f"model {preset}"
             raise ArtifactError(
