@@ -326,6 +326,33 @@ def test_batched_decode_of_4_sessions_equals_solo_with_fewer_calls(smol_split):
         tail.close_session(f"b{i}")
 
 
+def test_prefill_batch_of_4_sessions_equals_solo_prefills_with_fewer_calls(smol_split):
+    """Chunks of equal length run in one call (two lengths: two calls); outputs and the KV left
+    behind (the next decode step) are a solo run's, bit for bit."""
+    head, tail = smol_split
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(20, 40000, size=n).astype(np.int32) for n in (8, 11, 8, 11)]
+    solo = [_solo(head, tail, p, [123]) for p in prompts]
+    for i in range(len(prompts)):
+        head.open_session(f"p{i}", N_CTX)
+        tail.open_session(f"p{i}", N_CTX)
+    calls = head.forward_calls
+    order = (3, 0, 1, 2)
+    hidden = head.prefill_batch([(f"p{i}", 0, prompts[i]) for i in order])
+    assert head.forward_calls - calls == 2  # the 8s, the 11s (not 4)
+    logits = tail.prefill_batch([(f"p{i}", 0, h) for i, h in zip(order, hidden)])
+    for i, out in zip(order, logits):
+        assert np.array_equal(out, solo[i][0]), i
+        pos = len(prompts[i])
+        x = np.array([123], np.int32)
+        assert np.array_equal(tail.decode_step(f"p{i}", pos, head.decode_step(f"p{i}", pos, x)), solo[i][1]), i
+    with pytest.raises(BadInput, match="at most once"):
+        head.prefill_batch([("p0", pos, x), ("p0", pos, x)])
+    for i in range(len(prompts)):
+        head.close_session(f"p{i}")
+        tail.close_session(f"p{i}")
+
+
 def test_export_import_round_trip(smol_split, smollm2_path, tmp_path):
     head, tail = smol_split
     ids = _prompts(1)[0]

@@ -137,17 +137,21 @@ def test_link_partitioned_15s_fails_explicitly_in_bounded_time_then_recovers(sta
     assert asyncio.run(tokens_of(star25.link_url("client"), ids, 8)) == reference(ids, 8)
 
 
-def test_eight_sessions_over_25ms_links_first_tokens_within_2s(star25, reference):
+@pytest.mark.parametrize("routes", ["shared", "own"])
+def test_eight_sessions_over_25ms_links_first_tokens_within_2s(star25, reference, routes):
+    """On one route (a client's), and on a route each (as the gateway asks one per request: each
+    open binds its route's consumers on every hop, and the opens must not wait for each other)."""
     topics = ["the sea", "a mountain", "the moon", "coffee", "a library", "winter", "the desert", "a violin"]
     prompts = [reference.tokenizer.encode(f"Write one sentence about {t}:") for t in topics]
 
     async def scenario():
         async with await NeuronClient.connect(star25.link_url("client")) as c:
-            route = await c.route()
+            shared = await c.route()
             t0 = time.monotonic()
             firsts: list[float] = []
 
             async def one(ids):
+                route = shared if routes == "shared" else await c.route()
                 async for ev in c.generate(prompt_tokens=ids, route=route, sampling=greedy(16)):
                     if isinstance(ev, M.TokenDelta) and ev.index == 0:
                         firsts.append(time.monotonic() - t0)

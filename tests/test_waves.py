@@ -1,4 +1,5 @@
-"""Decode waves (neuron_bus.worker.waves): which queued steps a worker runs as one backend call.
+"""Decode waves and prefill batches (neuron_bus.worker.waves): which queued steps a worker runs as
+one backend call.
 
 Real session-table entries, real NATS message objects (as the consumer delivers them) and a real
 llama.cpp backend over a tiny GGUF, whose slots give the batch ranks.
@@ -15,7 +16,7 @@ from nats.aio.msg import Msg
 from neuron_bus import messages as M
 from neuron_bus.worker.engine import Incoming
 from neuron_bus.worker.session_table import HopSession
-from neuron_bus.worker.waves import DecodeWaves
+from neuron_bus.worker.waves import DecodeWaves, next_prefill
 from workers.llama_cpp_full import LlamaCppFullBackend
 
 
@@ -111,3 +112,28 @@ def test_later_hops_take_steps_in_arrival_order(backend):
         return [m.headers["session_id"] for m in picked], len(queue)
 
     assert asyncio.run(run()) == (["d", "c"], 2)
+
+
+def chunk(session_id: str, rows: int, name: str) -> Incoming:
+    headers = {"session_id": session_id, "shape": f"{rows}", "name": name}
+    msg = Msg(_client=None, subject="neuron.act.r.0.prefill", headers=headers, data=b"")
+    return Incoming(msg, msg.headers, msg.data)
+
+
+def test_a_prefill_batch_takes_each_sessions_oldest_chunk_within_the_row_budget():
+    queue = deque(
+        [
+            chunk("a", 100, "a1"),
+            chunk("a", 100, "a2"),  # a's second chunk waits for its first
+            chunk("b", 300, "b1"),
+            chunk("c", 200, "c1"),  # would pass the budget of 512: stays, and so does c's next
+            chunk("c", 10, "c2"),
+            chunk("d", 50, "d1"),
+        ]
+    )
+    picked = next_prefill(queue, max_rows=512)
+    assert [m.headers["name"] for m in picked] == ["a1", "b1", "d1"]
+    assert [m.headers["name"] for m in queue] == ["a2", "c1", "c2"]
+    assert [m.headers["name"] for m in next_prefill(queue, max_rows=512)] == ["a2", "c1"]
+    # the oldest chunk always goes, even when it alone is longer than the budget
+    assert [m.headers["name"] for m in next_prefill(deque([chunk("x", 900, "x1"), chunk("y", 1, "y1")]), 512)] == ["x1"]

@@ -233,19 +233,45 @@ class LlamaCppRangeBackend(Backend):
         return self._decode_together(steps, self._want)
 
     def _forward_rows(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
-        # Steps of equal length run together: llama.cpp splits a batch of several sequences into
-        # micro-batches of equally many rows per sequence, and the boundary tap sees the rows in
-        # micro-batch order, which is the batch's order only when every sequence has as many rows.
-        by_length: dict[int, list[int]] = {}
-        for k, (_, _, x) in enumerate(steps):
-            by_length.setdefault(x.shape[0], []).append(k)
         result: list[np.ndarray] = [None] * len(steps)  # type: ignore[list-item]
-        for ks in by_length.values():
+        for ks in self._equal_lengths(steps):
             if sum(steps[k][2].shape[0] for k in ks) > self.n_batch:
                 raise BadInput(f"a decode batch of more than {self.n_batch} rows")
             for k, out in zip(ks, self._decode_together([steps[k] for k in ks], "rows" if self.is_tail else "hidden")):
                 result[k] = out
         return result
+
+    def _forward_chunks(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
+        # Chunks of equal length run together, as many as fit in n_batch rows; a longer chunk alone.
+        result: list[np.ndarray] = [None] * len(steps)  # type: ignore[list-item]
+        try:
+            for ks in self._equal_lengths(steps):
+                rows = steps[ks[0]][2].shape[0]
+                if rows > self.n_batch:
+                    for k in ks:
+                        result[k] = self._forward(*steps[k])
+                        self.forward_calls += 1
+                    continue
+                per_call = self.n_batch // rows
+                for i in range(0, len(ks), per_call):
+                    part = ks[i : i + per_call]
+                    for k, out in zip(part, self._decode_together([steps[k] for k in part], self._want)):
+                        result[k] = out
+        except BaseException:  # a failed batch leaves no cells behind, those of its earlier calls neither
+            for sid, position, _ in steps:
+                self.lanes.context(sid).forget_from(self.lanes.seq(sid), position)
+            raise
+        return result
+
+    @staticmethod
+    def _equal_lengths(steps: list[tuple[str, int, np.ndarray]]) -> list[list[int]]:
+        """Indices of the steps grouped by their number of rows: llama.cpp splits a batch of several
+        sequences into micro-batches of equally many rows per sequence, and the boundary tap sees the
+        rows in micro-batch order, which is the batch's order only when every sequence has as many."""
+        by_length: dict[int, list[int]] = {}
+        for k, (_, _, x) in enumerate(steps):
+            by_length.setdefault(x.shape[0], []).append(k)
+        return list(by_length.values())
 
     def _decode_together(self, steps: list[tuple[str, int, np.ndarray]], want: str) -> list[np.ndarray]:
         """One llama_decode per lane for ``steps`` (distinct sessions); a failed call leaves no cells behind."""

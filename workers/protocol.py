@@ -137,6 +137,18 @@ class Backend(abc.ABC):
         """Run a chunk of positions [position, position + n)."""
         return self._run(session_id, position, x)
 
+    def prefill_batch(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
+        """A prompt chunk for each of several sessions in one call: each output is what `prefill`
+        returns for it. Backends that can batch override `_forward_chunks`."""
+        if len({sid for sid, _, _ in steps}) != len(steps):
+            raise BadInput("a prefill batch carries each session at most once")
+        for sid, pos, x in steps:
+            self._check(sid, pos, x)
+        outs = self._forward_chunks([(sid, pos, self._as_input(x)) for sid, pos, x in steps])
+        for sid, _, x in steps:
+            self._advance(sid, x.shape[0])
+        return outs
+
     def decode_step(self, session_id: str, position: int, x: np.ndarray) -> np.ndarray:
         """Run exactly one position."""
         n = x.shape[0] if x.ndim else 0
@@ -257,6 +269,11 @@ class Backend(abc.ABC):
     def _forward(self, session_id: str, position: int, x: np.ndarray) -> np.ndarray: ...
 
     def _forward_batch(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
+        outs = [self._forward(sid, pos, x) for sid, pos, x in steps]
+        self.forward_calls += len(steps)
+        return outs
+
+    def _forward_chunks(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
         outs = [self._forward(sid, pos, x) for sid, pos, x in steps]
         self.forward_calls += len(steps)
         return outs

@@ -6,14 +6,14 @@ core from the process around it):
 - session_table.py  what a hop knows of each session, and the state-key check
 - tail.py           the tail's decoder: sampling, stop strings, text, the generation's telemetry
 - drafting.py       drafts for speculative ring steps, and how many are worth sending
-- waves.py          which queued decode steps run together as one backend call
+- waves.py          which queued decode steps (and prompt chunks) run together as one backend call
 - service.py        the shell: lifecycle, the consumers' queues, the processing loop, reaping
 - consumers.py      the JetStream consumers bound per route
 - runner.py         where backend calls run (its thread, or inline) and what they cost
 - outbox.py         publishing outcomes, acknowledging inputs, rejections, fatal failures
 - deliveries.py     each session's output delivery in flight (a route's last close waits for them)
 - lifecycle.py      open / resume / close a session (backend cache work, consumers, ledger)
-- control.py        the control requests, one handler each
+- control.py        the control requests, one handler each, concurrently (in order per session)
 - mover.py          a self-placed worker changing its range when the tracker asks (drain, load, announce)
 - source.py         what a worker serves and where the bytes come from (a file, the shard swarm, placement)
 - heartbeat.py      the heartbeat and its measured telemetry (node_telemetry.py: disk, failures, pings)

@@ -12,16 +12,24 @@ With a per-node credential (``secret``: derived from the node's key) a consumer'
 its subject: the node finds its own leftovers again after a restart without listing the stream's
 consumers (its credential may not), and no other node can guess the name to delete or ack it.
 Without one, consumers are named by the server and leftovers are found by listing.
+
+Over a WAN each JetStream API call is a round trip to the server: a binding creates both phases'
+consumers at once and looks for leftovers only when the server refuses one (a work-queue stream's
+subject already taken), an unbinding deletes both at once; so a session open pays one round trip
+here, not four. Bindings and unbindings of one route run one at a time (a close's unbinding must
+not delete what a concurrent open on the same route has just bound).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Callable
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
@@ -29,6 +37,7 @@ from neuron_bus.timing import ACK_WAIT_S
 from neuron_bus.worker.engine import Incoming
 
 INACTIVE_S = 30.0  # the server removes a consumer nobody is bound to after this long
+SUBJECT_TAKEN = 10100  # JSConsumerWQConsumerNotUniqueErr: another consumer filters the subject
 
 
 class RouteConsumers:
@@ -48,47 +57,39 @@ class RouteConsumers:
         self._bound: dict[
             str, list[tuple[JetStreamContext.PushSubscription, str, str]]
         ] = {}  # route -> (subscription, stream, subject)
+        self._locks: dict[str, asyncio.Lock] = {}  # route -> its bindings and unbindings, one at a time
 
     async def bind(self, route: M.RouteAssignment, hop_index: int) -> None:
-        if route.route_id in self._bound:
-            return
-        subs = []
-        for phase, stream, pending in (
-            ("decode", S.STREAM_DECODE, self.decode_ack_pending),
-            ("prefill", S.STREAM_PREFILL, self.prefill_ack_pending),
-        ):
-
-            async def received(msg: Msg, phase=phase) -> None:
-                self.deliver(phase, Incoming(msg, msg.headers, msg.data))
-
-            subject = S.hop_input(route.hops[hop_index].node_id, route.route_id, hop_index, phase)
-            name = self.name(subject)
-            await self._drop(stream, subject, name)
-            sub = await self.js.subscribe(
-                subject,
-                stream=stream,
-                cb=received,
-                manual_ack=True,
-                pending_msgs_limit=-1,
-                config=ConsumerConfig(
-                    name=name,
-                    ack_policy=AckPolicy.EXPLICIT,
-                    deliver_policy=DeliverPolicy.ALL,
-                    max_ack_pending=pending,
-                    ack_wait=ACK_WAIT_S,
-                    inactive_threshold=INACTIVE_S,
-                ),
+        async with self._lock(route.route_id):
+            if route.route_id in self._bound:
+                return
+            phases = (
+                ("decode", S.STREAM_DECODE, self.decode_ack_pending),
+                ("prefill", S.STREAM_PREFILL, self.prefill_ack_pending),
             )
-            subs.append((sub, stream, subject))
-        self._bound[route.route_id] = subs
+            subject = {
+                phase: S.hop_input(route.hops[hop_index].node_id, route.route_id, hop_index, phase)
+                for phase, _, _ in phases
+            }
+            results = await asyncio.gather(
+                *(self._consume(phase, stream, subject[phase], pending) for phase, stream, pending in phases),
+                return_exceptions=True,
+            )
+            subs = [r for r in results if not isinstance(r, BaseException)]
+            if len(subs) < len(results):  # all or nothing: a half-bound route would take one phase only
+                await self._release(subs)
+                raise next(r for r in results if isinstance(r, BaseException))
+            self._bound[route.route_id] = subs
 
-    async def unbind(self, route_id: str) -> None:
-        for sub, stream, subject in self._bound.pop(route_id, []):
-            try:
-                await sub.unsubscribe()
-                await self._drop(stream, subject, self.name(subject))
-            except Exception:  # connection already closing
-                pass
+    async def unbind(self, route_id: str, unless: Callable[[], bool] | None = None) -> None:
+        """Delete the route's consumers, unless ``unless()`` (asked once this route's other bindings
+        and unbindings are done: has a session on it been opened meanwhile?)."""
+        async with self._lock(route_id):
+            if unless is not None and unless():
+                return
+            await self._release(self._bound.pop(route_id, []))
+        if not self._locks[route_id].locked() and route_id not in self._bound:
+            self._locks.pop(route_id, None)
 
     async def unbind_all(self) -> None:
         for route_id in list(self._bound):
@@ -99,6 +100,50 @@ class RouteConsumers:
         if self.secret is None:
             return None
         return hashlib.blake2b(subject.encode(), key=self.secret, digest_size=12).hexdigest()
+
+    def _lock(self, route_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(route_id, asyncio.Lock())
+
+    async def _consume(
+        self, phase: str, stream: str, subject: str, pending: int
+    ) -> tuple[JetStreamContext.PushSubscription, str, str]:
+        """A push consumer on ``subject`` and this node's subscription to it."""
+
+        async def received(msg: Msg) -> None:
+            self.deliver(phase, Incoming(msg, msg.headers, msg.data))
+
+        name = self.name(subject)
+        config = ConsumerConfig(
+            name=name,
+            filter_subject=subject,
+            deliver_subject=self.js._nc.new_inbox(),
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            max_ack_pending=pending,
+            ack_wait=ACK_WAIT_S,
+            inactive_threshold=INACTIVE_S,
+        )
+        try:
+            info = await self.js.add_consumer(stream, config)
+        except APIError as exc:
+            if exc.err_code != SUBJECT_TAKEN:
+                raise
+            await self._drop(stream, subject, name)
+            info = await self.js.add_consumer(stream, config)
+        sub = await self.js.subscribe_bind(
+            stream, config, info.name, cb=received, manual_ack=True, pending_msgs_limit=-1
+        )
+        return sub, stream, subject
+
+    async def _release(self, subs: list[tuple[JetStreamContext.PushSubscription, str, str]]) -> None:
+        async def one(sub, stream: str, subject: str) -> None:
+            try:
+                await sub.unsubscribe()
+                await self._drop(stream, subject, self.name(subject))
+            except Exception:  # connection already closing
+                pass
+
+        await asyncio.gather(*(one(*s) for s in subs))
 
     async def _drop(self, stream: str, subject: str, name: str | None) -> None:
         """Delete consumers left on ``subject`` (by an earlier binding or a previous run of this node)."""

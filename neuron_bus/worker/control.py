@@ -5,10 +5,16 @@ prompts and applies the chat template, or checks a prompt's token ids against it
 (lifecycle.py; closing and moving a session need its client's proof, engine.py), MoveRange (the
 tracker moves a self-placed node: mover.py).
 Every failure is an explicit `ControlError` reply naming its reason, never silence.
+
+Requests run concurrently, those naming one session in the order they arrived: over a WAN an
+open or a close waits on round trips to the server (consumers, the ledger), and sixteen sessions
+opened together must not wait for each other's (a subscription's callbacks would run one at a
+time). At most `CONCURRENT` run at once; beyond that the subscription's own queue holds them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from nats.aio.msg import Msg
@@ -16,9 +22,21 @@ from nats.aio.msg import Msg
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage, NeuronBusError
+from neuron_bus.tasks import InOrder
 from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.worker")
+
+CONCURRENT = 64  # control requests handled at once
+
+
+def session_of(req) -> object:
+    """The key that orders a request: its session, or none (a key of its own)."""
+    if isinstance(req, (M.SessionOpen, M.SessionClose)):
+        return req.session_id
+    if isinstance(req, M.SessionResume):
+        return req.open.session_id
+    return object()
 
 
 class ControlPlane:
@@ -29,22 +47,50 @@ class ControlPlane:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.mover = mover
+        self._running = InOrder()
+        self._slots = asyncio.Semaphore(CONCURRENT)
+
+    async def stop(self) -> None:
+        await self._running.cancel_all()
 
     async def on_message(self, msg: Msg) -> None:
-        await self._answer(msg, self.handle)
+        try:
+            req = M.decode(msg.data, M.ControlRequest)
+        except Exception as exc:
+            await self._reply(msg, self._error(exc))
+            return
+        await self._slots.acquire()  # released when the request is answered
+        self._running.spawn(session_of(req), self._answer(msg, self.handle, req))
 
     async def on_move(self, msg: Msg) -> None:
         """``neuron.node.<id>.move``: only trackers may publish there (trust/permissions.py)."""
-        await self._answer(msg, self.move)
-
-    async def _answer(self, msg: Msg, handler) -> None:
-        """Decode a control request, run ``handler`` on it, reply: every failure is an explicit reply."""
+        reply: M.MoveAccepted | M.ControlError
         try:
-            reply = await handler(M.decode(msg.data, M.ControlRequest))
+            reply = await self.move(M.decode(msg.data, M.ControlRequest))
         except Exception as exc:
-            if isinstance(exc, MalformedMessage):
-                self.metrics.reject(Reason.BAD_CONTROL)
-            reply = M.ControlError(code=getattr(exc, "reason", Reason.ERROR), message=str(exc))
+            reply = self._error(exc)
+        await self._reply(msg, reply)
+
+    async def _answer(self, msg: Msg, handler, req) -> None:
+        """Run ``handler`` on a request and reply: every failure is an explicit reply."""
+        try:
+            try:
+                reply = await handler(req)
+            except Exception as exc:
+                reply = self._error(exc)
+            await self._reply(msg, reply)
+        except Exception as exc:  # the connection is closing: nobody to answer
+            log.warning("%s: control reply not sent: %s", self.node_id, exc)
+        finally:
+            self._slots.release()
+
+    def _error(self, exc: Exception) -> M.ControlError:
+        if isinstance(exc, MalformedMessage):
+            self.metrics.reject(Reason.BAD_CONTROL)
+        return M.ControlError(code=getattr(exc, "reason", Reason.ERROR), message=str(exc))
+
+    @staticmethod
+    async def _reply(msg: Msg, reply) -> None:
         if msg.reply:
             await msg.respond(M.encode(reply))
 

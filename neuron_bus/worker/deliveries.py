@@ -13,26 +13,15 @@ consumer's deletion is processed.
 
 from __future__ import annotations
 
-import asyncio
+from neuron_bus.tasks import InOrder
 
 SETTLE_S = (
     5.0  # the longest a close waits for them (a delivery stops waiting on a full next hop once its session is gone)
 )
 
 
-class Deliveries:
-    def __init__(self) -> None:
-        self._last: dict[str, asyncio.Task] = {}  # session -> its latest delivery not finished yet
+class Deliveries(InOrder):
+    """``spawn(session_id, delivery)``: after the session's previous delivery."""
 
-    def latest(self, session_id: str) -> asyncio.Task | None:
-        return self._last.get(session_id)
-
-    def record(self, session_id: str, task: asyncio.Task) -> None:
-        self._last[session_id] = task
-        task.add_done_callback(lambda t: self._last.pop(session_id) if self._last.get(session_id) is t else None)
-
-    async def settled(self, session_id: str, timeout: float = SETTLE_S) -> None:
-        """Until the session's deliveries have finished (or ``timeout``)."""
-        task = self._last.get(session_id)
-        if task is not None:
-            await asyncio.wait([task], timeout=timeout)
+    async def settled(self, key, timeout: float | None = SETTLE_S) -> None:
+        await super().settled(key, timeout)

@@ -63,6 +63,15 @@ class Incoming:
     def session_id(self) -> str | None:
         return (self.headers or {}).get("session_id")
 
+    @property
+    def rows(self) -> int:
+        """The positions it carries, by its shape header (1 when that is missing or malformed: the
+        engine refuses such a message)."""
+        try:
+            return max(1, int((self.headers or {}).get("shape", "1").split(",")[0]))
+        except ValueError:
+            return 1
+
 
 @dataclass
 class Step:
@@ -222,6 +231,8 @@ class HopEngine:
             outs: list[np.ndarray] = b.decode_rows(batch)
         elif phase == "decode" and len(steps) > 1:
             outs = b.decode_batch(batch)
+        elif len(steps) > 1:
+            outs = b.prefill_batch(batch)
         else:
             run = b.decode_step if phase == "decode" else b.prefill
             outs = [run(*batch[0])]

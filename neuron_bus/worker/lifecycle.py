@@ -169,9 +169,8 @@ class SessionLifecycle:
             position = req.position
         self.engine.add_resumed(req, position)
         await self.consumers.bind(o.route, o.hop_index)
-        if old is not None and old.route.route_id not in self.engine.sessions.routes():
-            await self.deliveries.settled(o.session_id)  # inputs left unacknowledged would outlive the consumer
-            await self.consumers.unbind(old.route.route_id)
+        if old is not None:
+            await self._release_route(o.session_id, old.route.route_id)
         self.update_gauges()
         return M.SessionResumed(
             session_id=o.session_id,
@@ -199,11 +198,22 @@ class SessionLifecycle:
                 log.warning("%s: keeping session %s's prefix failed: %s", self.engine.node_id, session_id, exc)
         await self.runner.call(self.backend.close_session, session_id)
         await self.trail.close(s.open)
-        if s.route.route_id not in self.engine.sessions.routes():
-            await self.deliveries.settled(session_id)  # inputs left unacknowledged would outlive the consumer
-            await self.consumers.unbind(s.route.route_id)
+        await self._release_route(session_id, s.route.route_id)
         self.update_gauges()
         return freed
+
+    async def _release_route(self, session_id: str, route_id: str) -> None:
+        """The route's consumers go with its last session here (a session that left it: closed, or
+        moved to a repaired route), once that session's inputs are acknowledged; they stay when a
+        session on the route was opened meanwhile (control requests run concurrently)."""
+
+        def in_use() -> bool:
+            return route_id in self.engine.sessions.routes()
+
+        if in_use():
+            return
+        await self.deliveries.settled(session_id)  # inputs left unacknowledged would outlive the consumer
+        await self.consumers.unbind(route_id, unless=in_use)
 
     def update_gauges(self) -> None:
         sessions = list(self.engine.sessions)

@@ -43,11 +43,12 @@ class Outbox:
         self.trail = trail
         self.metrics = metrics
         self.node_id = engine.node_id
-        self._background = Background()  # deliveries and rejections' replies: never awaited by the loop
+        self._background = Background()  # rejections' replies: never awaited by the loop
         self.deliveries = deliveries
 
     async def stop(self) -> None:
         await self._background.cancel_all()
+        await self.deliveries.cancel_all()
 
     # ------------------------------------------------------------------ outputs
 
@@ -57,12 +58,9 @@ class Outbox:
             if out.snapshot:
                 await self._snapshot(out.step.session)
         for out in outputs:
-            sid = out.step.session.session_id
-            self.deliveries.record(sid, self._background.spawn(self._deliver(out, self.deliveries.latest(sid))))
+            self.deliveries.spawn(out.step.session.session_id, self._deliver(out))  # after the session's previous one
 
-    async def _deliver(self, out: Output, before: asyncio.Task | None) -> None:
-        if before is not None:  # the session's previous output first
-            await asyncio.wait([before])
+    async def _deliver(self, out: Output) -> None:
         try:
             await self._send(out)
         except NeuronBusError as exc:

@@ -40,7 +40,7 @@ from neuron_bus.worker.node_telemetry import NodeTelemetry
 from neuron_bus.worker.outbox import Outbox
 from neuron_bus.worker.runner import BackendRunner
 from neuron_bus.worker.snapshots import SnapshotStore
-from neuron_bus.worker.waves import DecodeWaves
+from neuron_bus.worker.waves import DecodeWaves, next_prefill
 from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.worker")
@@ -170,6 +170,7 @@ class WorkerService:
         for sub in (self._control_sub, self._move_sub):
             if sub is not None:
                 await sub.unsubscribe()
+        await self.control.stop()
         await self.consumers.unbind_all()
         for s in list(self.sessions):
             await self.lifecycle.close(s.session_id)
@@ -202,7 +203,7 @@ class WorkerService:
                         await self._process(await self.waves.next(self.sessions, self.engine.backend), "decode")
                     else:
                         turn = "decode"
-                        await self._process([prefill.popleft()], "prefill")
+                        await self._process(next_prefill(prefill), "prefill")
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # never let one message kill the loop

@@ -1,4 +1,4 @@
-"""Decode waves: which queued decode steps a worker runs together as one backend call.
+"""Decode waves and prefill batches: which queued steps a worker runs together as one backend call.
 
 Each decoding session has one step circling its route's ring. The decoding sessions are spread
 over as many waves as the route has hops, so that while one hop computes a wave the other hops
@@ -11,6 +11,12 @@ sessions opened together hold the same neighbouring slots on every hop). It take
 oldest queued step and waits up to ``wait_ms`` for the rest of its members; steps of other waves
 stay queued, in order. Later hops take steps as they come, waiting only a moment for the rest of
 a wave. The ring settles into one backend call per hop per wave, waves following each other.
+
+Prompt chunks of several sessions run together too (`next_prefill`): sixteen sessions opened at
+once would otherwise prefill one after another, each chunk waiting for the others' and for the
+decode waves between them, and the last session's first token would come seconds after the first's.
+A batch holds at most one chunk per session (a session's chunks run in order) and about one long
+chunk's rows, so the decode waves between batches wait no longer than they did for one chunk.
 """
 
 from __future__ import annotations
@@ -22,6 +28,27 @@ from collections.abc import Iterable
 from neuron_bus.worker.engine import Incoming
 
 LATER_HOP_WAIT_MS = 1.0  # a wave's steps leave the previous hop together: a moment is enough
+PREFILL_BATCH_ROWS = 512  # prompt positions of one prefill batch (more when its first chunk alone is longer)
+
+
+def next_prefill(queue: deque[Incoming], max_rows: int = PREFILL_BATCH_ROWS) -> list[Incoming]:
+    """Take the oldest queued prompt chunk and, behind it, the oldest chunk of each other session
+    while the batch stays within ``max_rows``; the rest stay queued in order."""
+    picked: list[Incoming] = []
+    seen: set[object] = set()
+    rows = 0
+    for m in queue:
+        sid = m.session_id or id(m)
+        if sid in seen:
+            continue
+        seen.add(sid)  # a session's later chunk never overtakes its earlier one
+        if picked and rows + m.rows > max_rows:
+            continue
+        picked.append(m)
+        rows += m.rows
+    for m in picked:
+        queue.remove(m)
+    return picked
 
 
 class DecodeWaves:
