@@ -343,7 +343,7 @@ class GenerationRun:
         """Send positions [start, len(tokens)) to hop 0 in chunks (the prompt, or a repair's replay)."""
         ids = np.asarray(tokens, dtype=np.int32)
         route = self.live_route
-        subject = S.hop_input(route.hops[0].node_id, route.route_id, 0, "prefill")
+        subject = S.hop_input(route.hops[0].node_id, route.route_id, 0, "prefill", self.session_id)
         key, encrypt = self.key(0), self.client.encrypt_activations
         for seq, lo in enumerate(range(start, len(ids), self.chunk_size)):
             header = hop_header(route, 0, self.session_id, lo, "prefill", seq, "i32")

@@ -219,6 +219,6 @@ async def purge(js, route: M.RouteAssignment) -> None:
     for i, h in enumerate(route.hops):
         for phase, stream in (("prefill", S.STREAM_PREFILL), ("decode", S.STREAM_DECODE)):
             try:
-                await js.purge_stream(stream, subject=S.hop_input(h.node_id, route.route_id, i, phase))
+                await js.purge_stream(stream, subject=S.hop_inputs(h.node_id, route.route_id, i, phase))
             except Exception:
                 pass

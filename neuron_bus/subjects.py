@@ -36,7 +36,7 @@ NODE_HEARTBEAT_ALL = f"{ROOT}.node.*.heartbeat"
 VALIDATION_ALL = f"{ROOT}.validation.>"
 AUDIT_REQUEST = f"{ROOT}.audit.request"  # AuditRequest: a session the tracker sampled for replay
 LEDGER_ALL = f"{ROOT}.ledger.>"
-PREFILL_ALL = f"{ROOT}.act.*.*.*.prefill"  # <receiving node>.<route>.<hop>
+PREFILL_ALL = f"{ROOT}.act.*.*.*.prefill.*"  # <receiving node>.<route>.<hop>.prefill.<session>
 DECODE_ALL = f"{ROOT}.act.*.*.*.decode"
 PUBLIC_OWNER = "public"  # the owner of sessions opened without an identity (no credentials)
 
@@ -73,18 +73,29 @@ def route_assign(route_id: str) -> str:
     return f"{ROOT}.route.assign.{check_token(route_id, 'route id')}"
 
 
-def hop_input(node_id: str, route_id: str, hop_index: int, phase: str) -> str:
-    """Activations into hop ``hop_index`` of a route, served by ``node_id``; ``phase`` is "prefill"
-    or "decode".
+def hop_input(node_id: str, route_id: str, hop_index: int, phase: str, session_id: str | None = None) -> str:
+    """Activations of one session into hop ``hop_index`` of a route, served by ``node_id``;
+    ``phase`` is "prefill" or "decode".
 
     The receiving node comes first, so a node's credential may read its own inputs only
-    (``neuron.act.<node>.>``). The two phases travel in separate streams: prefill subjects hold at
-    most a window of chunks (backpressure), decode subjects are unbounded (a session has at most
-    one decode step in flight, so the ring cannot deadlock on a full subject).
+    (``neuron.act.<node>.>``). The two phases travel in separate streams: a prefill subject is
+    one session's (``….prefill.<session>``) and holds at most a window of its chunks
+    (backpressure per session: sessions sharing a route do not queue behind each other's
+    window), decode subjects are the hop's and unbounded (a session has at most one decode step
+    in flight, so the ring cannot deadlock on a full subject).
     """
+    if phase == "prefill":
+        if session_id is None:
+            raise ValueError("a prefill subject is one session's: session_id is needed")
+        return f"{hop_inputs(node_id, route_id, hop_index, phase)[:-1]}{check_token(session_id, 'session id')}"
+    return hop_inputs(node_id, route_id, hop_index, phase)
+
+
+def hop_inputs(node_id: str, route_id: str, hop_index: int, phase: str) -> str:
+    """What the hop's consumer of ``phase`` takes: every session's (``….prefill.*``, ``….decode``)."""
     if phase not in ("prefill", "decode"):
         raise ValueError(f"phase must be prefill or decode, got {phase!r}")
-    return f"{hop_base(node_id, route_id, hop_index)}.{phase}"
+    return f"{hop_base(node_id, route_id, hop_index)}.{phase}" + (".*" if phase == "prefill" else "")
 
 
 def hop_base(node_id: str, route_id: str, hop_index: int) -> str:

@@ -10,7 +10,9 @@ In one run, on this machine (links from neuron_bus/wan/linkem.py, in its own pro
   each next to its bound (the hops' compute per token, measured in the same run from the workers'
   backend seconds, plus the one-way link crossings of one trip around the ring);
 - 8 and then 16 sessions started together at 25 ms (workers with 16 KV slots), 2 hops: aggregate decode
-  tok/s over the run, the spread of their first tokens;
+  tok/s over the run, the spread of their first tokens, and the aggregate's compute ceiling (the
+  tokens over the busiest hop's backend seconds in the run: how fast the run could be had no hop
+  waited for anything);
 - time to first token of a 1024-token prompt at 25 ms and 50 Mbit/s per link, 2 hops, with the
   f32, bf16 and bf16+zstd wires, next to the pipeline bound (docs/wan.md derives it);
 - the JetStream ring floor at 25 ms: what awaiting each publish acknowledgement costs a hop with
@@ -172,21 +174,32 @@ async def single_decode(url: str, ids: list[int], n: int, ports: list[int]) -> t
     return decode_rate(run), 1000 * (busy1 - busy0) / max(steps1 - steps0, 1)
 
 
-async def sessions_together(url: str, prompts: list[list[int]], n: int) -> dict:
+async def sessions_together(url: str, prompts: list[list[int]], n: int, ports: list[int]) -> dict:
+    """Sessions started together on one route: aggregate decode from the first token to the last,
+    and the compute ceiling of that aggregate: the tokens over the busiest hop's backend seconds
+    (prefill and decode) in the run, as fast as the run could be if no hop ever waited."""
     async with await NeuronClient.connect(url) as client:
         route = await client.route()
+        before = [a + b for a, b in zip(busy(ports, "decode"), busy(ports, "prefill"))]
         t0 = time.perf_counter()
         runs = await asyncio.gather(*(generation(client, route, p, n) for p in prompts))
+        after = [a + b for a, b in zip(busy(ports, "decode"), busy(ports, "prefill"))]
     stamps = [r["stamps"] for r in runs]
     first, last = min(s[0] for s in stamps), max(s[-1] for s in stamps)
     tokens = sum(len(s) - 1 for s in stamps)
     overlap = max(sum(1 for s in stamps if s[0] <= t <= s[-1]) for t in (x[0] for x in stamps))
+    busiest = max(b - a for a, b in zip(before, after))
+    aggregate = tokens / (last - first)
     return {
-        "aggregate_decode_tok_s": tokens / (last - first),
+        "aggregate_decode_tok_s": aggregate,
         "first_token_s": sorted(s[0] - t0 for s in stamps),
         "first_token_spread_s": max(s[0] for s in stamps) - first,
         "max_decoding_at_once": overlap,
         "wall_s": last - t0,
+        "busiest_hop_backend_s": busiest,
+        "busiest_hop_busy_fraction": busiest / (last - t0),
+        "compute_ceiling_tok_s": tokens / busiest,
+        "vs_compute_ceiling": aggregate / (tokens / busiest),
     }
 
 
@@ -237,12 +250,15 @@ def bench_topology(kind: str, model: Path, hops: int, work: Path, tok, quick: bo
             prompts = [tok.encode(f"Write one sentence about {topics[i % 8]} number {i}:") for i in range(SESSIONS)]
             one = out["decode"][WAN_MS]["tok_s"]
             for n in (SESSIONS // 2, SESSIONS):  # the issue's two targets: 8 sessions and 16
-                together = asyncio.run(sessions_together(url, prompts[:n], 16 if quick else 32))
+                together = asyncio.run(sessions_together(url, prompts[:n], 16 if quick else 32, ports))
                 out[f"sessions{n}"] = together
                 log(
                     f"  {kind}: {n} sessions at {WAN_MS:g} ms: aggregate {together['aggregate_decode_tok_s']:.1f} "
                     f"tok/s ({together['aggregate_decode_tok_s'] / one:.2f}x one session); first tokens spread over "
-                    f"{together['first_token_spread_s']:.1f} s; at most {together['max_decoding_at_once']} decoding at once"
+                    f"{together['first_token_spread_s']:.1f} s; at most {together['max_decoding_at_once']} decoding at once; "
+                    f"compute ceiling {together['compute_ceiling_tok_s']:.1f} tok/s "
+                    f"({together['vs_compute_ceiling']:.2f}x of it; the busiest hop computed "
+                    f"{100 * together['busiest_hop_busy_fraction']:.0f}% of the run)"
                 )
             shape(swarm, WAN_MS, RATE_MBIT)
             long_ids = prompt_ids(tok, TTFT_PROMPT)
@@ -445,6 +461,7 @@ def main() -> int:
             result[f"{prefix}wan25_route2_sessions{n}_vs_one"] = (
                 r2[f"sessions{n}"]["aggregate_decode_tok_s"] / r2["decode"][WAN_MS]["tok_s"]
             )
+            result[f"{prefix}wan25_route2_sessions{n}_vs_compute_ceiling"] = r2[f"sessions{n}"]["vs_compute_ceiling"]
         result[f"{prefix}wan25_ttft1024_vs_bound"] = min(w["vs_bound"] for w in r2["ttft1024"].values())
     result["elapsed_s"] = time.time() - started
 

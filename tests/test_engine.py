@@ -113,7 +113,7 @@ class Route:
                 assert isinstance(o, Output), o
                 for send in o.sends:
                     if send.seam:  # an activation: into the hop the subject names
-                        _, _, _node, _, to, ph = send.subject.split(".")
+                        to, ph = send.subject.split(".")[4:6]  # neuron.act.<node>.<route>.<hop>.<phase>[.<session>]
                         queues.setdefault((int(to), ph), []).append(Incoming(("hop", hop), send.headers, send.body))
                     else:
                         tokens[o.step.session.session_id].append(M.decode(send.body, M.TokenDelta).token_id)

@@ -193,7 +193,7 @@ def test_malformed_messages_never_disturb_a_decoding_session(swarm):
         if draw(st.integers(0, 9)) == 0:  # raw garbage on an activation subject
             hop = draw(st.integers(0, 1))
             subject = S.hop_input(
-                route.hops[hop].node_id, route.route_id, hop, draw(st.sampled_from(["prefill", "decode"]))
+                route.hops[hop].node_id, route.route_id, hop, draw(st.sampled_from(["prefill", "decode"])), "fuzz"
             )
             headers = draw(st.one_of(st.none(), st.dictionaries(token_ids, ascii_text, max_size=6)))
             return subject, headers or None, draw(st.binary(max_size=2048)), "garbage"

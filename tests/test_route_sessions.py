@@ -143,14 +143,14 @@ def test_wrong_route_or_session_is_rejected_before_model_work(swarm, reference):
             forged = hop_header(route, 1, sid, 0, "prefill", 0, "f32")
             forged.route_id = "someotherroute"
             h, body = codec.encode(forged, np.zeros((4, 576), dtype=np.float32))
-            await js.publish(S.hop_input(tail, route.route_id, 1, "prefill"), body, headers=h)
+            await js.publish(S.hop_input(tail, route.route_id, 1, "prefill", sid), body, headers=h)
             # a step for a session that does not exist
             ghost = hop_header(route, 1, "ghost" + sid, 0, "prefill", 0, "f32")
             h, body = codec.encode(ghost, np.zeros((4, 576), dtype=np.float32))
-            await js.publish(S.hop_input(tail, route.route_id, 1, "prefill"), body, headers=h)
+            await js.publish(S.hop_input(tail, route.route_id, 1, "prefill", "ghost" + sid), body, headers=h)
             # garbage on the same subject
             await js.publish(
-                S.hop_input(tail, route.route_id, 1, "prefill"), b"\x00garbage", headers={"session_id": sid}
+                S.hop_input(tail, route.route_id, 1, "prefill", sid), b"\x00garbage", headers={"session_id": sid}
             )
             for _ in range(100):
                 after = await c.sessions(tail)

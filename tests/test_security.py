@@ -250,7 +250,7 @@ def test_replayed_and_forged_activations_are_refused_and_counted_and_bob_cannot_
             forged = hop_header(route, 1, sid, 0, "prefill", 0, "f32")
             h, b = codec.encode(forged, np.zeros((4, 576), dtype=np.float32))
             h, b = sealing.seal(forged, h, b, sealing.new_key(), False)  # valid-looking, signed with a guess
-            await publish(sjs, S.hop_input(hop1.node_id, route.route_id, 1, "prefill"), b, h)
+            await publish(sjs, S.hop_input(hop1.node_id, route.route_id, 1, "prefill", sid), b, h)
             sent += 1
             live = await gen
             # bob, who knows the session id, can neither close nor move alice's probe session

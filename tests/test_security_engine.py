@@ -123,7 +123,7 @@ def test_hop_outputs_are_signed_with_the_next_links_key(keyed):
     assert isinstance(out, Output)
     (send,) = out.sends
     header = codec.decode_header(send.headers)
-    assert send.subject == "neuron.act.n1.r1.1.prefill"  # keyed by the receiving node
+    assert send.subject == "neuron.act.n1.r1.1.prefill.a"  # keyed by the receiving node, one subject per session
     body = sealing.verify(header, send.body, keys[1], keyed.encrypt)  # link 1's key, not link 0's
     with pytest.raises(SessionMismatch):
         sealing.verify(header, send.body, keys[0], keyed.encrypt)

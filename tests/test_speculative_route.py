@@ -130,7 +130,7 @@ def test_a_step_of_k_positions_with_a_wrong_position_is_refused_before_model_wor
                 await c.control(hop.node_id, req)
             js = c.nc.jetstream()
             h, body = codec.encode(hop_header(route, 0, sid, 0, "prefill", 0, "i32"), np.array([1, 2, 3, 4], np.int32))
-            await js.publish(S.hop_input(route.hops[0].node_id, route.route_id, 0, "prefill"), body, headers=h)
+            await js.publish(S.hop_input(route.hops[0].node_id, route.route_id, 0, "prefill", sid), body, headers=h)
             for _ in range(200):  # the prompt through both hops: both now expect a decode step at 4 (seq 1)
                 report = await c.sessions(route.hops[1].node_id)
                 if any(s.session_id == sid and s.position == 4 for s in report.sessions):

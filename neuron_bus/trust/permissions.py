@@ -104,7 +104,7 @@ ROLES: dict[str, dict[str, list[str]]] = {
             S.ROUTE_REQUEST,
             S.TRACKER_COVERAGE,
             f"{R}.node.*.ctl",
-            f"{R}.act.*.*.0.prefill",
+            f"{R}.act.*.*.0.prefill.*",
             f"{R}.session.*.*.error",
             f"{R}.telemetry.>",
             "$JS.API.INFO",
@@ -179,7 +179,7 @@ def _client(n: str) -> dict[str, list[str]]:
             S.ROUTE_REQUEST,
             S.TRACKER_COVERAGE,
             f"{R}.node.*.ctl",
-            f"{R}.act.*.*.0.prefill",  # prompt chunks into hop 0 only
+            f"{R}.act.*.*.0.prefill.*",  # prompt chunks into hop 0 only
             f"{R}.session.{n}.*.error",
             f"{R}.telemetry.{n}.>",
             *_META,

@@ -68,7 +68,7 @@ class RouteConsumers:
                 ("prefill", S.STREAM_PREFILL, self.prefill_ack_pending),
             )
             subject = {
-                phase: S.hop_input(route.hops[hop_index].node_id, route.route_id, hop_index, phase)
+                phase: S.hop_inputs(route.hops[hop_index].node_id, route.route_id, hop_index, phase)
                 for phase, _, _ in phases
             }
             results = await asyncio.gather(

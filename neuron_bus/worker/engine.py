@@ -151,8 +151,8 @@ def snapshot_due(every: int, before: int, after: int, prompt_tokens: int) -> boo
     return bool(every) and after >= prompt_tokens and before // every != after // every
 
 
-def _input_of(route: M.RouteAssignment, hop_index: int, phase: str) -> str:
-    return S.hop_input(route.hops[hop_index].node_id, route.route_id, hop_index, phase)
+def _input_of(route: M.RouteAssignment, hop_index: int, phase: str, session_id: str) -> str:
+    return S.hop_input(route.hops[hop_index].node_id, route.route_id, hop_index, phase, session_id)
 
 
 class HopEngine:
@@ -275,7 +275,7 @@ class HopEngine:
             nxt = s.header(s.hop_index + 1, h.position, h.phase, s.out_seq, s.route.wire_dtype)
             headers, body = self._pack(s, nxt, out)
             s.out_seq += 1
-            send = Send(_input_of(s.route, s.hop_index + 1, h.phase), body, headers, seam=h.phase)
+            send = Send(_input_of(s.route, s.hop_index + 1, h.phase, s.session_id), body, headers, seam=h.phase)
             return Output(st, [send], snapshot=snapshot)
         end = h.position + st.positions
         if end < s.prefill_end:  # a prefill (or repair replay) chunk that is not the last: progress only
@@ -304,7 +304,7 @@ class HopEngine:
             head = s.header(0, position, "decode", tail.ring_seq(), "i32")
             ids = tail.ring_step(position, time.monotonic())
             headers, body = self._pack(s, head, np.array(ids, dtype=np.int32))
-            sends.append(Send(_input_of(s.route, 0, "decode"), body, headers, seam="decode"))
+            sends.append(Send(_input_of(s.route, 0, "decode", s.session_id), body, headers, seam="decode"))
         deltas = S.session_tokens(s.open.owner, s.session_id)
         sends += [Send(deltas, M.encode(t.delta)) for t in tokens]
         telemetry = tail.progress.snapshot() if last.finished or tail.progress.due() else None

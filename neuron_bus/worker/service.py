@@ -55,10 +55,11 @@ class WorkerOptions:
     max_decode_batch: int = 8
     batch_wait_ms: float = 10.0  # how long hop 0 may hold a decode step for other sessions' steps
     decode_ack_pending: int = 256
-    # prefill chunks in flight per route and hop: what the prefill subject lets wait (its window caps
-    # it). With one, each chunk held the subject for its compute plus three link crossings (forward
-    # acknowledged, ack, next delivery): over 25 ms links a route's sessions started 0.12 s apart.
-    prefill_ack_pending: int = DEFAULT_PREFILL_WINDOW
+    # prefill chunks in flight per route and hop, over its sessions (each session's subject holds at
+    # most its window). With one, each chunk held the route for its compute plus three link crossings
+    # (forward acknowledged, ack, next delivery): over 25 ms links a route's sessions started 0.12 s
+    # apart; with the window of one session, 4, sessions sharing a route entered a hop 4 at a time.
+    prefill_ack_pending: int = 4 * DEFAULT_PREFILL_WINDOW
     max_body: int = codec.DEFAULT_MAX_BODY
     slow_ms: float = 0.0  # add this much delay per backend call (fault injection for tests)
     snapshot_every: int = 0  # write a KV snapshot whenever a decoding session crosses a multiple of this
