@@ -140,14 +140,7 @@ class Backend(abc.ABC):
     def prefill_batch(self, steps: list[tuple[str, int, np.ndarray]]) -> list[np.ndarray]:
         """A prompt chunk for each of several sessions in one call: each output is what `prefill`
         returns for it. Backends that can batch override `_forward_chunks`."""
-        if len({sid for sid, _, _ in steps}) != len(steps):
-            raise BadInput("a prefill batch carries each session at most once")
-        for sid, pos, x in steps:
-            self._check(sid, pos, x)
-        outs = self._forward_chunks([(sid, pos, self._as_input(x)) for sid, pos, x in steps])
-        for sid, _, x in steps:
-            self._advance(sid, x.shape[0])
-        return outs
+        return self._run_sessions(steps, self._forward_chunks, "prefill")
 
     def decode_step(self, session_id: str, position: int, x: np.ndarray) -> np.ndarray:
         """Run exactly one position."""
@@ -174,11 +167,15 @@ class Backend(abc.ABC):
         row is computed and every row's output returned: hidden states [n, hidden], or at the tail
         the logits of every row [n, vocab] (the tail checks each draft against its own choice).
         """
+        return self._run_sessions(steps, self._forward_rows, "decode")
+
+    def _run_sessions(self, steps: list[tuple[str, int, np.ndarray]], forward, phase: str) -> list[np.ndarray]:
+        """Steps of several sessions (each at most once, any number of positions) through ``forward``."""
         if len({sid for sid, _, _ in steps}) != len(steps):
-            raise BadInput("a decode batch carries each session at most once")
+            raise BadInput(f"a {phase} batch carries each session at most once")
         for sid, pos, x in steps:
             self._check(sid, pos, x)
-        outs = self._forward_rows([(sid, pos, self._as_input(x)) for sid, pos, x in steps])
+        outs = forward([(sid, pos, self._as_input(x)) for sid, pos, x in steps])
         for sid, _, x in steps:
             self._advance(sid, x.shape[0])
         return outs
