@@ -87,7 +87,7 @@ def hop_input(node_id: str, route_id: str, hop_index: int, phase: str, session_i
     if phase == "prefill":
         if session_id is None:
             raise ValueError("a prefill subject is one session's: session_id is needed")
-        return f"{hop_inputs(node_id, route_id, hop_index, phase)[:-1]}{check_token(session_id, 'session id')}"
+        return f"{hop_base(node_id, route_id, hop_index)}.prefill.{check_token(session_id, 'session id')}"
     return hop_inputs(node_id, route_id, hop_index, phase)
 
 

@@ -67,12 +67,12 @@ class RouteConsumers:
                 ("decode", S.STREAM_DECODE, self.decode_ack_pending),
                 ("prefill", S.STREAM_PREFILL, self.prefill_ack_pending),
             )
-            subject = {
-                phase: S.hop_inputs(route.hops[hop_index].node_id, route.route_id, hop_index, phase)
-                for phase, _, _ in phases
-            }
+            node = route.hops[hop_index].node_id
             results = await asyncio.gather(
-                *(self._consume(phase, stream, subject[phase], pending) for phase, stream, pending in phases),
+                *(
+                    self._consume(phase, stream, S.hop_inputs(node, route.route_id, hop_index, phase), pending)
+                    for phase, stream, pending in phases
+                ),
                 return_exceptions=True,
             )
             subs = [r for r in results if not isinstance(r, BaseException)]
@@ -84,12 +84,13 @@ class RouteConsumers:
     async def unbind(self, route_id: str, unless: Callable[[], bool] | None = None) -> None:
         """Delete the route's consumers, unless ``unless()`` (asked once this route's other bindings
         and unbindings are done: has a session on it been opened meanwhile?)."""
-        async with self._lock(route_id):
+        lock = self._lock(route_id)
+        async with lock:
             if unless is not None and unless():
                 return
             await self._release(self._bound.pop(route_id, []))
-        if not self._locks[route_id].locked() and route_id not in self._bound:
-            self._locks.pop(route_id, None)
+        if not lock.locked() and route_id not in self._bound and self._locks.get(route_id) is lock:
+            del self._locks[route_id]  # nobody waits for it: the route is gone here
 
     async def unbind_all(self) -> None:
         for route_id in list(self._bound):
