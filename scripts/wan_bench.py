@@ -11,8 +11,8 @@ In one run, on this machine (links from neuron_bus/wan/linkem.py, in its own pro
   backend seconds, plus the one-way link crossings of one trip around the ring);
 - 8 and then 16 sessions started together at 25 ms (workers with 16 KV slots), 2 hops: aggregate decode
   tok/s over the run, the spread of their first tokens, and the aggregate's compute ceiling (the
-  tokens over the busiest hop's backend seconds in the run: how fast the run could be had no hop
-  waited for anything);
+  tokens over the busiest hop's decode backend seconds in the run: how fast the decoding could be
+  had no hop waited for anything);
 - time to first token of a 1024-token prompt at 25 ms and 50 Mbit/s per link, 2 hops, with the
   f32, bf16 and bf16+zstd wires, next to the pipeline bound (docs/wan.md derives it);
 - the JetStream ring floor at 25 ms: what awaiting each publish acknowledgement costs a hop with
@@ -176,14 +176,15 @@ async def single_decode(url: str, ids: list[int], n: int, ports: list[int]) -> t
 
 async def sessions_together(url: str, prompts: list[list[int]], n: int, ports: list[int]) -> dict:
     """Sessions started together on one route: aggregate decode from the first token to the last,
-    and the compute ceiling of that aggregate: the tokens over the busiest hop's backend seconds
-    (prefill and decode) in the run, as fast as the run could be if no hop ever waited."""
+    and the compute ceiling of that aggregate: the tokens over the busiest hop's decode backend
+    seconds in the run, as fast as the decoding could be if no hop ever waited (prefill, mostly
+    before the first token, is left out of both)."""
     async with await NeuronClient.connect(url) as client:
         route = await client.route()
-        before = [a + b for a, b in zip(busy(ports, "decode"), busy(ports, "prefill"))]
+        before = busy(ports, "decode")
         t0 = time.perf_counter()
         runs = await asyncio.gather(*(generation(client, route, p, n) for p in prompts))
-        after = [a + b for a, b in zip(busy(ports, "decode"), busy(ports, "prefill"))]
+        after = busy(ports, "decode")
     stamps = [r["stamps"] for r in runs]
     first, last = min(s[0] for s in stamps), max(s[-1] for s in stamps)
     tokens = sum(len(s) - 1 for s in stamps)
@@ -197,7 +198,7 @@ async def sessions_together(url: str, prompts: list[list[int]], n: int, ports: l
         "max_decoding_at_once": overlap,
         "wall_s": last - t0,
         "busiest_hop_backend_s": busiest,
-        "busiest_hop_busy_fraction": busiest / (last - t0),
+        "busiest_hop_busy_fraction": busiest / (last - first),
         "compute_ceiling_tok_s": tokens / busiest,
         "vs_compute_ceiling": aggregate / (tokens / busiest),
     }
@@ -257,8 +258,8 @@ def bench_topology(kind: str, model: Path, hops: int, work: Path, tok, quick: bo
                     f"tok/s ({together['aggregate_decode_tok_s'] / one:.2f}x one session); first tokens spread over "
                     f"{together['first_token_spread_s']:.1f} s; at most {together['max_decoding_at_once']} decoding at once; "
                     f"compute ceiling {together['compute_ceiling_tok_s']:.1f} tok/s "
-                    f"({together['vs_compute_ceiling']:.2f}x of it; the busiest hop computed "
-                    f"{100 * together['busiest_hop_busy_fraction']:.0f}% of the run)"
+                    f"({together['vs_compute_ceiling']:.2f}x of it; the busiest hop decoded "
+                    f"{100 * together['busiest_hop_busy_fraction']:.0f}% of the time from first token to last)"
                 )
             shape(swarm, WAN_MS, RATE_MBIT)
             long_ids = prompt_ids(tok, TTFT_PROMPT)

@@ -64,8 +64,8 @@ def test_the_head_groups_its_sessions_into_runs_of_neighbouring_slots(backend):
         DecodeWaves(deque(), asyncio.Event(), max_batch=3, wait_ms=10).plan(
             [decoding(sid, 0, hops=1) for sid in "abcd"], backend
         )[0]
-        == 3
-    )  # capped
+        == 2
+    )  # capped at 3: the fewest waves that respect it (two), balanced (2 + 2, not 3 + 1)
     finished = decoding("a", 0)
     finished.finished = True
     assert "a" not in waves.plan([finished, *sessions[1:]], backend)[1]
@@ -137,3 +137,22 @@ def test_a_prefill_batch_takes_each_sessions_oldest_chunk_within_the_row_budget(
     assert [m.headers["name"] for m in next_prefill(queue, max_rows=512)] == ["a2", "c1"]
     # the oldest chunk always goes, even when it alone is longer than the budget
     assert [m.headers["name"] for m in next_prefill(deque([chunk("x", 900, "x1"), chunk("y", 1, "y1")]), 512)] == ["x1"]
+
+
+def test_the_head_plans_more_waves_once_it_has_measured_long_links(backend):
+    """Four sessions over two hops: one wave per hop until the ring is measured; 100 ms of links
+    and calls that cost about as much per row as they do fixed make four waves of one."""
+    sessions = [decoding(sid, 0) for sid in "abcd"]
+    waves = DecodeWaves(deque(), asyncio.Event(), max_batch=8, wait_ms=10)
+    assert waves.plan(sessions, backend)[0] == 2
+    for rows, seconds in ((1, 0.008), (2, 0.012)):
+        waves.ran(sessions[:rows], rows, seconds, when=0.0)
+    assert waves.plan(sessions, backend)[0] == 2  # no trip measured yet
+    waves.returned(step("a"), when=0.110)  # 110 ms away, 12 ms of it the other hop's compute
+    size, wave_of = waves.plan(sessions, backend)
+    assert waves.links.latency() == pytest.approx(0.098)
+    assert size == 1 and sorted(wave_of.values()) == [0, 1, 2, 3]
+    later = DecodeWaves(deque(), asyncio.Event(), max_batch=8, wait_ms=10)
+    later.ran([decoding(sid, 1) for sid in "ab"], 2, 0.012, when=0.0)  # a later hop heads nothing
+    later.returned(step("a"), when=0.110)
+    assert later.links.latency() is None

@@ -189,6 +189,8 @@ class WorkerService:
 
     def _queue(self, phase: str, msg: Incoming) -> None:
         self.queues[phase].append(msg)
+        if phase == "decode":
+            self.waves.returned(msg, time.monotonic())
         self._work.set()
 
     async def _process_loop(self) -> None:
@@ -219,7 +221,11 @@ class WorkerService:
         if not steps:
             return
         positions = sum(st.positions for st in steps)
+        started = time.monotonic()
         results = await self.runner.compute(lambda: self.engine.compute(steps, phase), phase, positions)
+        if phase == "decode":
+            done = time.monotonic()
+            self.waves.ran([st.session for st in steps], positions, done - started, done)
         outcomes = self.engine.advance(steps, results)
         for o in outcomes:
             if isinstance(o, Gone):

@@ -1,9 +1,11 @@
 """Decode waves and prefill batches: which queued steps a worker runs together as one backend call.
 
 Each decoding session has one step circling its route's ring. The decoding sessions are spread
-over as many waves as the route has hops, so that while one hop computes a wave the other hops
-have waves of their own to compute (pipelining), and each wave is one batched backend call
-(batching). One session, or one per hop, means no batching and no waiting.
+over waves, so that while one hop computes a wave the other hops have waves of their own to
+compute (pipelining), and each wave is one batched backend call (batching). How many waves is the
+head's choice by its measured ring (ring_model.py): one per hop when the links are short (the
+biggest batches), more and smaller ones when the links are long (the hops compute while waves
+travel). One session, or one per hop, means no batching and no waiting.
 
 The head hop forms the waves: it groups its sessions in `Backend.batch_rank` order, so a wave is
 a run of neighbouring slots (llama.cpp runs only consecutive sequence ids in one pass, and
@@ -26,6 +28,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from neuron_bus.worker.engine import Incoming
+from neuron_bus.worker.ring_model import CallCost, RingLinks, best_wave_count
 
 LATER_HOP_WAIT_MS = 1.0  # a wave's steps leave the previous hop together: a moment is enough
 PREFILL_BATCH_ROWS = 512  # prompt positions of one prefill batch (more when its first chunk alone is longer)
@@ -57,14 +60,32 @@ class DecodeWaves:
         self.arrived = arrived  # set whenever a step is queued
         self.max_batch = max_batch
         self.wait_ms = wait_ms
+        self.cost = CallCost()  # this hop's decode calls
+        self.links = RingLinks()  # the ring's links, seen from the sessions this hop heads
+        self.count = 1  # waves of the last plan
+
+    def returned(self, step: Incoming, when: float) -> None:
+        """A decode step was queued (the ring brought it back, if this hop heads its session)."""
+        self.links.returned(step.session_id, when)
+
+    def ran(self, sessions: list, rows: int, seconds: float, when: float) -> None:
+        """A decode wave of ``sessions`` (their `HopSession`s) took ``seconds``; its outputs leave now."""
+        self.cost.observe(rows, seconds)
+        heads = [s for s in sessions if s.is_head]
+        if heads:
+            hops = max(len(s.route.hops) for s in heads)
+            self.links.left([s.session_id for s in heads], when, (hops - 1) * (self.cost(rows) or 0.0))
 
     def plan(self, sessions: Iterable, backend) -> tuple[int, dict[str, int]]:
         """The wave size, and the wave of each decoding session this node is the head hop for."""
         decoding = [s for s in sessions if s.phase == "decode" and not s.finished]
+        self.links.forget({s.session_id for s in decoding})
         if not decoding:
             return 1, {}
         hops = max(len(s.route.hops) for s in decoding)
-        size = max(1, min(self.max_batch, -(-len(decoding) // hops)))
+        n = len(decoding)
+        self.count = best_wave_count(n, hops, self.max_batch, self.links.latency(), self.cost, self.count)
+        size = max(1, min(self.max_batch, -(-n // self.count)))
         heads = sorted((s for s in decoding if s.is_head), key=lambda s: backend.batch_rank(s.session_id))
         return size, {s.session_id: i // size for i, s in enumerate(heads)}
 
