@@ -166,8 +166,21 @@ class NodeHeartbeat(Struct):
     route_failure_rate: float = 0.0
     status: Literal["starting", "ready", "draining"] = "ready"
 
-    def __post_init__(self) -> None:
-        _check_node(self.node_id, self.layer_start, self.layer_end)
+    def __post_init__(self) -> None:  # the tracker decodes thousands a second: one cheap test, then the reasons
+        if _ID.match(self.node_id) is None or not 0 <= self.layer_start < self.layer_end:
+            _check_node(self.node_id, self.layer_start, self.layer_end)
+        lowest = min(
+            self.seq,
+            self.sessions_active,
+            self.queue_depth,
+            self.prefill_tokens_per_second,
+            self.decode_tokens_per_second,
+            self.memory_pressure,
+            self.route_failure_rate,
+            min(self.neighbour_latency_ms.values(), default=0.0),
+        )
+        if lowest >= 0:
+            return
         _non_negative(
             seq=self.seq,
             sessions_active=self.sessions_active,
@@ -905,13 +918,19 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+_decoders: dict[object, msgspec.json.Decoder] = {}
+
+
 def decode(data: bytes | None, kind):
     """Decode JSON into ``kind``; raise :class:`MalformedMessage` with a clear reason otherwise."""
-    from neuron_bus.errors import MalformedMessage
-
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(type=kind)
     try:
-        return msgspec.json.decode(data or b"", type=kind)
+        return decoder.decode(data or b"")
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        from neuron_bus.errors import MalformedMessage
+
         name = (
             getattr(kind, "__name__", None)
             or " | ".join(k.__name__ for k in getattr(kind, "__args__", ()))

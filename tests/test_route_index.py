@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
 from neuron_bus import messages
@@ -234,3 +235,41 @@ def test_importing_the_planner_loads_no_nats_and_the_client_loads_no_tracker():
     code = "import sys, neuron_bus.repair, neuron_bus.worker.node_telemetry\nprint(sorted(m for m in sys.modules if m.startswith('neuron_bus.tracker')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_registry_knows_in_constant_time_whether_any_node_places_itself():
+    """The placer builds a view of every node only when some node can move (`self_placed`):
+    10,000 nodes placed by hand cost it nothing."""
+    reg = Registry(TrackerParams(expiry=5.0, forget_after=10.0))
+    reg.apply_report(report("a", 0, 30), now=0.0)
+    assert reg.self_placed == set()
+    fit = messages.NodeFit(max_layers=30, memory_budget=0, kv_positions=0)
+    reg.apply_report(report("b", 0, 30, placement="auto", fit=fit), now=0.0)
+    assert reg.self_placed == {"b"}
+    reg.apply_report(report("b", 0, 30), now=1.0)  # placed by hand from now on
+    assert reg.self_placed == set()
+    reg.apply_report(report("c", 0, 30, placement="auto", fit=fit), now=1.0)
+    reg.apply_heartbeat(heartbeat("c", 0, 30), now=1.0)
+    reg.sweep(20.0)  # c: silent for longer than forget_after
+    assert reg.self_placed == set() and reg.views(20.0) == []
+
+
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("seq", -1, "seq must not be negative"),
+        ("queue_depth", -3, "queue_depth must not be negative"),
+        ("neighbour_latency_ms", {"x": -1.0}, "neighbour_latency_ms must not be negative"),
+        ("node_id", "a b", "is not 1-128 of"),
+        ("layer_end", 0, "is empty or negative"),
+    ],
+)
+def test_a_heartbeat_that_fails_the_quick_test_is_refused_with_its_reason(field, value, reason):
+    from neuron_bus.errors import MalformedMessage
+
+    good = messages.encode(heartbeat("a", 0, 30, neighbour_latency_ms={"x": 2.0}))
+    assert messages.decode(good, messages.NodeHeartbeat).neighbour_latency_ms == {"x": 2.0}
+    body = msgspec.json.decode(good)
+    body[field] = value
+    with pytest.raises(MalformedMessage, match=reason):
+        messages.decode(msgspec.json.encode(body), messages.NodeHeartbeat)

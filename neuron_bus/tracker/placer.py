@@ -110,9 +110,11 @@ class Placer:
         tracker_id: str,
         lease: Lease,
         params: PlacementParams | None = None,
+        self_placed: Callable[[], bool] = lambda: True,
     ):
         self.nc, self.js = nc, nc.jetstream()
         self.views = views
+        self.self_placed = self_placed  # whether any node places itself (False: no views to build for moves)
         self.tracker_id = tracker_id
         self.params = params or PlacementParams()
         self.catalog = Catalog(self.js)
@@ -187,6 +189,8 @@ class Placer:
 
     async def rebalance(self, full: bool = True) -> M.PlacementDecision | None:
         """Ask one node to move when that helps (at once when a layer is uncovered; else if ``full``)."""
+        if not self.self_placed():  # O(1): a swarm of 10,000 nodes placed by hand builds no views
+            return None
         async with self._lock:
             views = self.views()
             movable = {v.node_id: v.caps.fit for v in views if v.caps.placement == "auto" and v.caps.fit and v.usable}

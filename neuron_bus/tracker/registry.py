@@ -21,7 +21,8 @@ Cost, n nodes (m replicas in a node's range):
   nodes in order of death, for forgetting; assignments in time order, for the end of their window.
 - ``records`` + ``tracked`` (the coverage map's node list): O(n) cheap steps, the sort by map
   order kept between changes of the set of nodes; a node's entry is rebuilt only after it changed.
-- ``views`` (rejection reasons, tests): O(n log n).
+- ``views`` (rejection reasons, the placer when some node places itself, tests): O(n log n);
+  ``self_placed`` (whether the placer has anything to move): O(1).
 """
 
 from __future__ import annotations
@@ -79,12 +80,17 @@ class Registry:
         self._expired: list[str] = []
         self._order: list[tuple[str, int, str]] | None = None  # tracked_order's, None after a change
         self.late_heartbeats = 0  # dropped: sent before the heartbeat already applied
+        self.self_placed: set[str] = set()  # nodes that report ``placement: auto`` and a fit: the placer's
 
     # -- updates ------------------------------------------------------------------------------
 
     def apply_report(self, caps: CapabilityReport, now: float | None = None) -> None:
         entry = self._nodes.setdefault(caps.node_id, _Entry())
         entry.caps = caps
+        if caps.placement == "auto" and caps.fit:
+            self.self_placed.add(caps.node_id)
+        else:
+            self.self_placed.discard(caps.node_id)
         if entry.added is None:
             entry.added = now
             if entry.last_seen is None and now is not None:
@@ -199,6 +205,7 @@ class Registry:
                 break
             del self._silent[node_id]
             self._nodes.pop(node_id, None)
+            self.self_placed.discard(node_id)
             self._order = None
             self.index.discard(node_id)
         while self._assignments and now - self._assignments[0][0] > p.assignment_window:

@@ -172,7 +172,9 @@ class TrackerService:
         self.placement = Lease(js, S.KV_LEASES, PLACEMENT_LEASE, holder=f"tracker-{self.tracker_id}")
         try:
             await self.placement.start()
-            self.placer = Placer(self.nc, self._views, self.tracker_id, self.placement)
+            self.placer = Placer(
+                self.nc, self._views, self.tracker_id, self.placement, self_placed=lambda: bool(self.registry.self_placed)
+            )
             await self.placer.start()
         except (LeaseError, jserr.NotFoundError, jserr.BucketNotFoundError) as exc:
             log.warning("no placement (%s): this tracker never makes placement decisions", exc)
