@@ -198,22 +198,27 @@ def scrape(port: int, name: str, **labels) -> float:
     return 0.0
 
 
-async def generation(client: NeuronClient, route, ids: list[int], n_decode: int, chunk_size: int = 512) -> dict:
-    """One greedy generation of exactly n_decode + 1 tokens; token arrival times. Prefix reuse
-    is off: the prompts of the prefill figures share their first blocks, and they measure the
-    prompt computed (prefix reuse has its own figure, `prefix2k_ttft_vs_cold`)."""
+async def generation(
+    client: NeuronClient, route, ids: list[int], n_decode: int, chunk_size: int = 512, speculative: int = 0
+) -> dict:
+    """One greedy generation of exactly n_decode + 1 tokens; token arrival times and ids. Prefix
+    reuse is off: the prompts of the prefill figures share their first blocks, and they measure
+    the prompt computed (prefix reuse has its own figure, `prefix2k_ttft_vs_cold`).
+    ``speculative`` k: decode steps carry up to k draft tokens (worker/drafting.py)."""
     t0 = time.perf_counter()
-    stamps = []
+    stamps, tokens = [], []
     async for ev in client.generate(
         prompt_tokens=ids,
         route=route,
         chunk_size=chunk_size,
         sampling=M.SamplingParams(max_tokens=n_decode + 1, ignore_eos=True),
         prefix_reuse=False,
+        speculative=speculative,
     ):
         if isinstance(ev, M.TokenDelta):
             stamps.append(time.perf_counter())
-    return {"t0": t0, "stamps": stamps}
+            tokens.append(ev.token_id)
+    return {"t0": t0, "stamps": stamps, "tokens": tokens}
 
 
 def decode_rate(run: dict) -> float:

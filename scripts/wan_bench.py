@@ -57,6 +57,17 @@ TTFT_PROMPT = 1024
 CHUNK = 256  # the client's default prompt chunk
 WIRES = (("f32", "raw"), ("bf16", "raw"), ("bf16", "zstd"))
 SESSIONS = 16
+SPEC_K = 4  # draft tokens a speculative step may carry
+SPEC_DELAYS_MS = (0.0, WAN_MS)
+QUOTED = (
+    "The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+    "the members agreed to fund the reading room, the children's corner and the archive, but not the "
+    "café. The vote was seven to two, and the work will begin in the spring."
+)
+SPEC_PROMPTS = {  # prompt lookup drafts from the prompt: a quote pays, free text hardly drafts
+    "repetitive": f"Repeat the following text exactly.\n\nText: {QUOTED}\n\nRepeated text: {QUOTED[:40]}",
+    "free": "Write a short story about a lighthouse keeper who finds a map:",
+}
 REGIONS = ("a", "b", "c")
 HOME = "a"
 
@@ -204,6 +215,22 @@ async def sessions_together(url: str, prompts: list[list[int]], n: int, ports: l
     }
 
 
+async def spec_vs_plain(url: str, ids: list[int], n: int) -> dict:
+    """One greedy session plain, then with speculative steps of up to SPEC_K drafts: tok/s of each
+    and whether the tokens are the same (they must be: the tail accepts only its own choices)."""
+    async with await NeuronClient.connect(url) as client:
+        route = await client.route()
+        await generation(client, route, ids[:16], 2)  # warm-up at this delay
+        plain = await generation(client, route, ids, n)
+        spec = await generation(client, route, ids, n, speculative=SPEC_K)
+    return {
+        "plain_tok_s": decode_rate(plain),
+        "spec_tok_s": decode_rate(spec),
+        "vs_plain": decode_rate(spec) / decode_rate(plain),
+        "identical": plain["tokens"] == spec["tokens"],
+    }
+
+
 async def ttft_once(url: str, ids: list[int], wire: str, encoding: str, ports: list[int]) -> dict:
     async with await NeuronClient.connect(url) as client:
         route = await client.route(wire_dtype=wire, encoding=encoding)
@@ -261,6 +288,18 @@ def bench_topology(kind: str, model: Path, hops: int, work: Path, tok, quick: bo
                     f"({together['vs_compute_ceiling']:.2f}x of it; the busiest hop decoded "
                     f"{100 * together['busiest_hop_busy_fraction']:.0f}% of the time from first token to last)"
                 )
+            if kind == "star":
+                out["speculative"] = {}
+                for d in SPEC_DELAYS_MS:
+                    shape(swarm, d)
+                    for workload, text in SPEC_PROMPTS.items():
+                        r = asyncio.run(spec_vs_plain(url, tok.encode(text), 32 if quick else 96))
+                        out["speculative"][f"{workload}_{d:g}ms"] = r
+                        log(
+                            f"  {kind}: speculative (k={SPEC_K}) vs plain, {workload}, {d:g} ms: "
+                            f"{r['spec_tok_s']:.1f} vs {r['plain_tok_s']:.1f} tok/s ({r['vs_plain']:.2f}x), "
+                            f"tokens {'identical' if r['identical'] else 'DIFFERENT'}"
+                        )
             shape(swarm, WAN_MS, RATE_MBIT)
             long_ids = prompt_ids(tok, TTFT_PROMPT)
             out["ttft1024"] = {}
@@ -464,6 +503,8 @@ def main() -> int:
             )
             result[f"{prefix}wan25_route2_sessions{n}_vs_compute_ceiling"] = r2[f"sessions{n}"]["vs_compute_ceiling"]
         result[f"{prefix}wan25_ttft1024_vs_bound"] = min(w["vs_bound"] for w in r2["ttft1024"].values())
+        for name, r in r2.get("speculative", {}).items():  # issue 20's spec_decode_vs_plain, star only
+            result[f"spec_decode_vs_plain_{name}"] = r["vs_plain"]
     result["elapsed_s"] = time.time() - started
 
     log("")
@@ -475,7 +516,7 @@ def main() -> int:
                 f"{dec[d]['tok_s']:6.1f} ({dec[d]['bound_tok_s']:5.1f}) {dec[d]['vs_bound']:4.2f}x" for d in DELAYS_MS
             ]
             log(f"{kind:9} {hops:>4} " + " ".join(f"{c:>22}" for c in cells))
-    for key in sorted(k for k in result if "wan25" in k or k == "emulator_overhead_ms_p50"):
+    for key in sorted(k for k in result if "wan25" in k or k.startswith("spec_") or k == "emulator_overhead_ms_p50"):
         log(f"{key}: {result[key]:.3f}")
     log(f"took {result['elapsed_s'] / 60:.1f} min")
     if args.json:
