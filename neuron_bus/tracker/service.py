@@ -173,7 +173,11 @@ class TrackerService:
         try:
             await self.placement.start()
             self.placer = Placer(
-                self.nc, self._views, self.tracker_id, self.placement, self_placed=lambda: bool(self.registry.self_placed)
+                self.nc,
+                self._views,
+                self.tracker_id,
+                self.placement,
+                self_placed=lambda: bool(self.registry.self_placed),
             )
             await self.placer.start()
         except (LeaseError, jserr.NotFoundError, jserr.BucketNotFoundError) as exc:
