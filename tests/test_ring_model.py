@@ -62,3 +62,12 @@ def test_the_plan_keeps_its_count_unless_another_is_clearly_better_and_respects_
     assert all(best_wave_count(16, 2, 8, 0.100, cost, current=w) == w for w in near)
     assert best_wave_count(16, 2, 2, 0.001, cost, current=2) == 8  # waves of at most 2
     assert best_wave_count(5, 1, 8, 0.0, cost, current=1) == 1
+
+
+def test_when_compute_is_negligible_the_fewest_waves_stay():
+    """No-op hops: every count's round is the links' within 5%, so the batches stay as big as
+    one wave per hop makes them (each call also costs the shell a pass)."""
+    cost = CallCost()
+    for rows, us in ((1, 40.0), (4, 60.0)):
+        cost.observe(rows, us / 1e6)
+    assert best_wave_count(8, 2, 8, 0.002, cost, current=1) == 2

@@ -24,7 +24,7 @@ from collections import deque
 
 COST_SMOOTHING = 0.2  # weight of a new call in its size's running mean
 LINK_SAMPLES = 64  # the links' latency is the least of the last this many trips (queueing only adds)
-KEEP_WITHIN = 1.05  # keep the current wave count unless another's round is more than 5% shorter
+KEEP_WITHIN = 1.05  # counts whose rounds are within 5% of the shortest are as good: keep the current, or the fewest
 
 
 class CallCost:
@@ -91,15 +91,17 @@ def round_s(n: int, waves: int, hops: int, links_s: float, cost) -> float:
 
 def best_wave_count(n: int, hops: int, max_batch: int, links_s: float | None, cost: CallCost, current: int) -> int:
     """The number of waves for ``n`` decoding sessions over ``hops`` hops: one per hop until the
-    ring and the calls are measured, then the one with the shortest round (``current`` when it is
-    within 5% of that), never waves bigger than ``max_batch``."""
+    ring and the calls are measured, then among the counts whose round is within 5% of the
+    shortest ``current`` if it is one, else the fewest (each backend call also costs the hop's
+    shell a pass of admission and publishing, which the call's cost does not show: when compute
+    is negligible, as with no-op hops, every count's round is the links' and batching stays);
+    never waves bigger than ``max_batch``."""
     fewest = max(1, -(-n // max(1, max_batch)))
     default = max(fewest, min(n, hops))
     if n <= hops or links_s is None or cost.line() is None:
         return default
     counts = sorted({-(-n // s) for s in range(1, -(-n // fewest) + 1)})  # one count per wave size
     rounds = {w: round_s(n, w, hops, links_s, cost) for w in counts if w >= default}
-    best = min(rounds, key=lambda w: (rounds[w], w))
-    if current in rounds and rounds[current] <= KEEP_WITHIN * rounds[best]:
-        return current
-    return best
+    shortest = min(rounds.values())
+    near = [w for w in rounds if rounds[w] <= KEEP_WITHIN * shortest]  # as good, give or take 5%
+    return current if current in near else min(near)  # else the fewest: calls cost the shell too
