@@ -9,7 +9,8 @@ wave takes the longer of
 - a wave's trip, ``L + hops * c(s)`` (a hop is idle while waves are on the links), and
 - a hop's work for all waves, ``W * c(s)`` (waves queue at a saturated hop),
 
-and that round yields ``n`` tokens. `best_wave_count` picks the ``W`` with the shortest round.
+and that round yields ``n`` tokens. `best_wave_count` takes, among the counts whose round is
+within 5% of the shortest, the current one or else the fewest.
 On one machine (``L`` near 0) that is one wave per hop, the biggest batches; on 25 ms links, where
 a trip is 100 ms of links, more and smaller waves: the hops compute while the other waves travel.
 Measured on SmolLM2 with 16 sessions over 2 hops at 25 ms per link: 2 waves of 8 give 8.4-9.6x
@@ -32,12 +33,17 @@ class CallCost:
 
     def __init__(self) -> None:
         self.mean_s: dict[int, float] = {}
+        self._line: tuple[float, float] | None = None  # fitted once per call observed, read per plan
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self.mean_s.get(rows)
         self.mean_s[rows] = seconds if old is None else old + COST_SMOOTHING * (seconds - old)
+        self._line = self._fit()
 
     def line(self) -> tuple[float, float] | None:
+        return self._line
+
+    def _fit(self) -> tuple[float, float] | None:
         """(fixed, per_row) seconds by least squares over the sizes seen; with one size seen, its
         cost split evenly between the fixed part and its rows (a guess the next size corrects)."""
         if not self.mean_s:

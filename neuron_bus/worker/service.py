@@ -213,6 +213,7 @@ class WorkerService:
                     log.exception("worker %s: unexpected error while processing", self.node_id)
 
     async def _process(self, batch: list[Incoming], phase: str) -> None:
+        started = time.monotonic()  # a wave's cost to the ring: admission, compute and sending, not the call alone
         for m in batch:
             self.metrics.seam(phase, "in", len(m.data))
         steps, rejected = self.engine.admit(batch, phase)
@@ -221,11 +222,7 @@ class WorkerService:
         if not steps:
             return
         positions = sum(st.positions for st in steps)
-        started = time.monotonic()
         results = await self.runner.compute(lambda: self.engine.compute(steps, phase), phase, positions)
-        if phase == "decode":
-            done = time.monotonic()
-            self.waves.ran([st.session for st in steps], positions, done - started, done)
         outcomes = self.engine.advance(steps, results)
         for o in outcomes:
             if isinstance(o, Gone):
@@ -233,6 +230,9 @@ class WorkerService:
             elif isinstance(o, Failed):
                 await self.outbox.failed(o)
         await self.outbox.send([o for o in outcomes if isinstance(o, Output)])
+        if phase == "decode":
+            done = time.monotonic()
+            self.waves.ran([st.session for st in steps], positions, done - started, done)
 
     # ------------------------------------------------------------------ heartbeats, reaping
 
