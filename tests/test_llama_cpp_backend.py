@@ -488,6 +488,14 @@ def test_capability_and_cache_abi(tiny_gguf, tmp_path):
     b.close()
     nofa = ranged(tiny_gguf, 1, 3, cache_dir=tmp_path, flash_attn=False, **OPTS)
     assert "-fa0-" in nofa.cache_abi and nofa.capability.prefill_tokens_per_second == 0.0
+    # taken again later (an idle worker does): beside an open session, whose cache it leaves alone
+    nofa.open_session("s", 16)
+    nofa.prefill("s", 0, np.ones((3, nofa.hidden_size), np.float32))
+    prefill, decode = nofa.benchmark()
+    assert prefill > 0 and decode > 0
+    assert (nofa.capability.prefill_tokens_per_second, nofa.capability.decode_tokens_per_second) == (prefill, decode)
+    assert nofa.session_position("s") == 3
+    nofa.decode_step("s", 3, np.ones((1, nofa.hidden_size), np.float32))
     nofa.close()
 
 

@@ -391,7 +391,11 @@ def test_capability(tiny):
     assert cap.active_memory_floor == sum(p.nbytes for p in b.model.parameters())
     assert b.forward_calls == 0  # the self-benchmark is not a session call
     assert backend(tiny, 0, 4, "bfloat16").capability.cache_abi == "torch-bfloat16-normrope-v1"
-    assert backend(tiny, 0, 4).capability.prefill_tokens_per_second == 0.0  # selfbench off
+    unmeasured = backend(tiny, 0, 4)
+    assert unmeasured.capability.prefill_tokens_per_second == 0.0  # selfbench off
+    prefill, decode = unmeasured.benchmark()  # taken again later (an idle worker does)
+    assert prefill > 0 and decode > 0 and unmeasured.capability.decode_tokens_per_second == decode
+    assert unmeasured.forward_calls == 0
 
 
 def test_loads_only_the_ranges_tensors(tiny):

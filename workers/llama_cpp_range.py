@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -119,13 +121,19 @@ class LlamaCppRangeBackend(Backend):
 
     def _measure(self, benchmark: bool) -> None:
         """State bytes per position (and fixed), truncatability, and throughput, on a scratch context."""
-        scratch = self._context(1, GRANULE)
-        try:
+        with self._scratch() as scratch:
             rng = np.random.default_rng(0)
             self.state_bytes_per_token, self.state_fixed_bytes, self.truncatable = scratch.measure_state(
                 0, self.is_head, rng
             )
             self.prefill_tps, self.decode_tps = self._benchmark(scratch) if benchmark else (0.0, 0.0)
+
+    @contextmanager
+    def _scratch(self) -> Iterator[LlamaCppModel]:
+        """A one-stream context on the loaded weights, beside the sessions' lanes, closed after use."""
+        scratch = self._context(1, GRANULE)
+        try:
+            yield scratch
         finally:
             scratch.close()
 
@@ -317,8 +325,13 @@ class LlamaCppRangeBackend(Backend):
 
     # -- self-benchmark ----------------------------------------------------------------------
 
+    def benchmark(self) -> tuple[float, float]:
+        with self._scratch() as scratch:
+            self.prefill_tps, self.decode_tps = self._benchmark(scratch)
+        return self.prefill_tps, self.decode_tps
+
     def _benchmark(self, model: LlamaCppModel, n_prefill: int = 32, n_decode: int = 8) -> tuple[float, float]:
-        """Prefill and decode tokens/s on sequence 0 of a scratch context (once, at construction)."""
+        """Prefill and decode tokens/s on sequence 0 of a scratch context."""
         rng = np.random.default_rng(0)
         if self.is_head:
             rows = rng.integers(0, self.vocab_size, size=n_prefill + n_decode, dtype=np.int32)

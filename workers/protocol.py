@@ -90,6 +90,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def capability(self) -> Capability: ...
 
+    def benchmark(self) -> tuple[float, float]:
+        """Take the self-benchmark again, now: (prefill, decode) tokens per second, which
+        `capability` reports from then on. It runs on scratch state (no session's cache is
+        touched). A worker takes it when idle, so that a figure taken while the machine was busy
+        (loading other models, say) does not stand for good. A backend without a model to
+        measure keeps its figures."""
+        c = self.capability
+        return c.prefill_tokens_per_second, c.decode_tokens_per_second
+
     # -- session lifecycle -------------------------------------------------------------------
 
     def open_session(self, session_id: str, n_ctx: int) -> int:

@@ -78,6 +78,10 @@ class TorchBackend(Backend):
             active_memory_floor=self.model.weight_bytes,
         )
 
+    def benchmark(self) -> tuple[float, float]:
+        self._prefill_tps, self._decode_tps = self._selfbench()
+        return self._prefill_tps, self._decode_tps
+
     def _selfbench(self, n_prefill: int = 16, n_decode: int = 4) -> tuple[float, float]:
         """Tokens per second of one short prefill and a few decode steps (well under a second)."""
         cache = self.model.new_cache(1 + n_prefill + n_decode)

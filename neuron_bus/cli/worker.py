@@ -23,15 +23,9 @@ from neuron_bus.execution import DEFAULT_N_CTX, BackendError, open_range, open_t
 from neuron_bus.subjects import PUBLIC_OWNER, check_token
 from neuron_bus.topology import connect, ensure_topology, identity_of, owner_of
 from neuron_bus.trust import fault as faults
+from neuron_bus.worker.engine import BENCH_PREFILL_POSITIONS, slowed
 from neuron_bus.worker.service import WorkerOptions, WorkerService
 from neuron_bus.worker.source import Source, auto_source, fetch_range, fetch_slice, local_source, parse_size
-
-
-def slowed(tokens_per_second: float, positions_per_call: int, slow_ms: float) -> float:
-    """Throughput once every backend call takes ``slow_ms`` longer (injected slowness)."""
-    if not slow_ms or tokens_per_second <= 0:
-        return tokens_per_second
-    return positions_per_call / (positions_per_call / tokens_per_second + slow_ms / 1000.0)
 
 
 def build_report(
@@ -47,7 +41,7 @@ def build_report(
     fit: M.NodeFit | None = None,
 ) -> M.CapabilityReport:
     cap = msgspec.structs.asdict(backend.capability)
-    cap["prefill_tokens_per_second"] = slowed(cap["prefill_tokens_per_second"], 256, slow_ms)
+    cap["prefill_tokens_per_second"] = slowed(cap["prefill_tokens_per_second"], BENCH_PREFILL_POSITIONS, slow_ms)
     cap["decode_tokens_per_second"] = slowed(cap["decode_tokens_per_second"], 1, slow_ms)
     return M.CapabilityReport(
         node_id=node_id,

@@ -40,6 +40,15 @@ from neuron_bus.worker.session_table import HopSession, SessionTable
 from neuron_bus.worker.tail import TailDecoder, TokenStep
 from workers.errors import Reason
 
+BENCH_PREFILL_POSITIONS = 256  # positions per prefill call a slowed self-benchmark is reckoned for
+
+
+def slowed(tokens_per_second: float, positions_per_call: int, slow_ms: float) -> float:
+    """Throughput once every backend call takes ``slow_ms`` longer (injected slowness)."""
+    if not slow_ms or tokens_per_second <= 0:
+        return tokens_per_second
+    return positions_per_call / (positions_per_call / tokens_per_second + slow_ms / 1000.0)
+
 
 @dataclass
 class EngineOptions:
@@ -208,6 +217,12 @@ class HopEngine:
         return s, header, x
 
     # ------------------------------------------------------------------ compute
+
+    def benchmark(self) -> tuple[float, float]:
+        """The backend's self-benchmark taken again (on the backend thread: it computes), as
+        slow as this engine makes every call (``slow_ms``, fault injection)."""
+        prefill, decode = self.backend.benchmark()
+        return slowed(prefill, BENCH_PREFILL_POSITIONS, self.opts.slow_ms), slowed(decode, 1, self.opts.slow_ms)
 
     def compute(self, steps: list[Step], phase: str) -> list[np.ndarray | Exception]:
         """Each step's backend output, or the exception it failed with."""

@@ -4,18 +4,30 @@ Its range and cache ABI, load (sessions, queued messages), measured throughput (
 positions per busy second over the last 30 s of real work, or the self-benchmark before there
 is any), memory pressure, route failure rate and the latency to its neighbours on its routes
 (node_telemetry.py; the pings run beside the heartbeats, never in their way).
+
+A self-benchmark is a few calls: taken while the machine was busy (other workers loading their
+models at the same moment, say) it can be several times too slow, and a node the planner then
+passes over never does the real work that would correct it. So an idle node takes it again,
+every ``REBENCH_IDLE_S`` while it stays idle, on the backend thread (real work that arrives waits
+for one benchmark at most) and reports the new figure.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
+import msgspec
 import psutil
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.tasks import Background
 from neuron_bus.worker.node_telemetry import neighbours
+
+log = logging.getLogger(__name__)
+
+REBENCH_IDLE_S = 60.0  # an idle node's self-benchmark older than this is taken again
 
 
 class Heartbeat:
@@ -27,6 +39,8 @@ class Heartbeat:
         self.node_telemetry = node_telemetry
         self.seq = 0
         self._probes = Background()
+        self._rebench = Background()
+        self.benchmarked_at = time.monotonic()  # the backend measured itself as it started
 
     def build(self, queue_depth: int) -> M.NodeHeartbeat:
         self.seq += 1
@@ -53,6 +67,35 @@ class Heartbeat:
         if not self._probes:  # one round of neighbour pings at a time
             routes = list({s.route.route_id: s.route for s in self.engine.sessions}.values())
             self._probes.spawn(self.node_telemetry.refresh_latency(self.nc, neighbours(self.report.node_id, routes)))
+        if queue_depth == 0 and not self._rebench and self.rebench_due(time.monotonic()):
+            self._rebench.spawn(self.benchmark_again())
+
+    def rebench_due(self, now: float) -> bool:
+        """Idle (no session, nothing on the backend thread, no real decode work in the window) since
+        the last self-benchmark, which is older than ``REBENCH_IDLE_S``."""
+        e = self.engine
+        return (
+            now - self.benchmarked_at > REBENCH_IDLE_S
+            and not e.sessions
+            and not e.draining
+            and self.runner.idle
+            and not self.runner.measures("decode")
+        )
+
+    async def benchmark_again(self) -> None:
+        report = self.report
+        self.benchmarked_at = time.monotonic()  # a failed benchmark is not retried at once
+        try:
+            prefill, decode = await self.runner.call(self.engine.benchmark)
+        except Exception:
+            log.warning("worker %s: self-benchmark failed", report.node_id, exc_info=True)
+            return
+        self.benchmarked_at = time.monotonic()
+        if self.report is report:  # still the same range (a move brings its own benchmark)
+            self.report = msgspec.structs.replace(
+                report, prefill_tokens_per_second=prefill, decode_tokens_per_second=decode
+            )
 
     async def stop(self) -> None:
         await self._probes.cancel_all()
+        await self._rebench.cancel_all()

@@ -65,7 +65,7 @@ class Mover:
             old = s.engine.backend
             s.take_range(backend, tokenizer, report, work)
             await s.announce()
-            await asyncio.to_thread(old.close)
+            await s.runner.call(old.close)  # after whatever the backend thread still runs on it (a self-benchmark)
             log.info(
                 "worker %s: now serving %s layers %d-%d",
                 s.node_id,

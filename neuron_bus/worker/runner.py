@@ -60,16 +60,29 @@ class BackendRunner:
         self._window.append((started, phase, positions, busy))
         return result
 
+    @property
+    def idle(self) -> bool:
+        """Nothing runs on the backend thread, nor waits to."""
+        return self._queued == 0
+
     def measured_tps(self, phase: str, fallback: float) -> float:
         """Positions per busy second over the last 30 s of real work (capacity, not load)."""
+        measured = self._measured_tps(phase)
+        return fallback if measured is None else measured
+
+    def _measured_tps(self, phase: str) -> float | None:
         now = time.monotonic()
         while self._window and now - self._window[0][0] > WORK_WINDOW_S:
             self._window.popleft()
         work = [(n, busy) for _, p, n, busy in self._window if p == phase]
         n, busy = sum(w[0] for w in work), sum(w[1] for w in work)
         if n < MIN_POSITIONS_MEASURED or busy <= 0:
-            return fallback
+            return None
         return n / busy
+
+    def measures(self, phase: str) -> bool:
+        """Whether the window holds enough real work of ``phase`` to measure (else the self-benchmark stands)."""
+        return self._measured_tps(phase) is not None
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -1,0 +1,166 @@
+"""An idle node takes its self-benchmark again (heartbeat.py), on a tiny llama on llama.cpp and a
+real nats-server: a figure taken while the machine was busy does not stand once it is idle, the
+new figure reaches the heartbeats, a slowed node stays slowed, and a node with sessions or with
+real work to measure from is left alone."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+
+from neuron_bus import messages as M
+from neuron_bus import subjects as S
+from neuron_bus.cli.worker import build_report
+from neuron_bus.execution import open_range, open_tokenizer
+from neuron_bus.topology import connect
+from neuron_bus.worker import heartbeat as hb_module
+from neuron_bus.worker.audit_trail import AuditTrail
+from neuron_bus.worker.engine import EngineOptions, HopEngine
+from neuron_bus.worker.heartbeat import Heartbeat
+from neuron_bus.worker.metrics import WorkerMetrics
+from neuron_bus.worker.node_telemetry import NodeTelemetry
+from neuron_bus.worker.runner import BackendRunner
+
+UNDER_LOAD_TPS = 0.5  # what a benchmark taken while four models loaded beside it might have said
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.gguf_factory import TinyLlama, write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("rebench") / "tiny.gguf", TinyLlama(quant="F32"))
+
+
+class Node:
+    """One whole-model hop's engine, runner and heartbeat, its report's benchmark as if taken under load."""
+
+    def __init__(self, nc, tiny, tmp_path, slow_ms: float = 0.0):
+        backend = open_range("llama-cpp", tiny, 0, 4, cache_dir=tmp_path, n_ctx=64, max_sessions=2, threads=1)
+        self.engine = HopEngine(
+            "n", backend.capability.cache_abi, backend, open_tokenizer(tiny), AuditTrail(None, None),
+            EngineOptions(slow_ms=slow_ms),
+        )  # fmt: skip
+        self.runner = BackendRunner("n", WorkerMetrics("n"))
+        report = build_report("n", backend, "tiny", "v1", "a1", "trusted", slow_ms=slow_ms)
+        loaded = msgspec.structs.replace(
+            report, prefill_tokens_per_second=UNDER_LOAD_TPS, decode_tokens_per_second=UNDER_LOAD_TPS
+        )
+        self.heartbeat = Heartbeat(nc, loaded, self.engine, self.runner, NodeTelemetry("n"))
+
+    def age_benchmark(self) -> None:
+        self.heartbeat.benchmarked_at = time.monotonic() - hb_module.REBENCH_IDLE_S - 1
+
+    async def beat(self, inbox: asyncio.Queue) -> M.NodeHeartbeat:
+        await self.heartbeat.send(0)
+        return await asyncio.wait_for(inbox.get(), 10)
+
+    async def benchmarked(self, before: M.CapabilityReport) -> M.CapabilityReport:
+        deadline = time.monotonic() + 30
+        while self.heartbeat.report is before and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert self.heartbeat.report is not before, "the idle node never took its benchmark again"
+        return self.heartbeat.report
+
+    async def close(self) -> None:
+        await self.heartbeat.stop()
+        self.runner.close()
+        self.engine.backend.close()
+
+
+async def heartbeats(nc) -> asyncio.Queue:
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def cb(msg):
+        await inbox.put(M.decode(msg.data, M.NodeHeartbeat))
+
+    await nc.subscribe(S.node_heartbeat("n"), cb=cb)
+    return inbox
+
+
+async def test_an_idle_node_takes_its_benchmark_again_and_reports_it(nats_server, tiny, tmp_path):
+    nc = await connect(nats_server.url)
+    node = Node(nc, tiny, tmp_path)
+    try:
+        inbox = await heartbeats(nc)
+        first = await node.beat(inbox)
+        assert first.decode_tokens_per_second == UNDER_LOAD_TPS  # fresh: it stands
+        assert not node.heartbeat._rebench
+        node.age_benchmark()
+        before = node.heartbeat.report
+        await node.beat(inbox)
+        after = await node.benchmarked(before)
+        assert after.decode_tokens_per_second > 20 * UNDER_LOAD_TPS
+        assert after.prefill_tokens_per_second > 20 * UNDER_LOAD_TPS
+        # the rest of the report is the node's as before
+        assert msgspec.structs.replace(after, prefill_tokens_per_second=0.0, decode_tokens_per_second=0.0) == (
+            msgspec.structs.replace(before, prefill_tokens_per_second=0.0, decode_tokens_per_second=0.0)
+        )
+        beat = await node.beat(inbox)
+        assert beat.decode_tokens_per_second == after.decode_tokens_per_second
+        assert not node.heartbeat.rebench_due(time.monotonic())  # once per REBENCH_IDLE_S while idle
+    finally:
+        await node.close()
+        await nc.close()
+
+
+async def test_a_slowed_node_benchmarks_as_slow_as_it_computes(nats_server, tiny, tmp_path):
+    nc = await connect(nats_server.url)
+    node = Node(nc, tiny, tmp_path, slow_ms=200)
+    try:
+        node.age_benchmark()
+        before = node.heartbeat.report
+        await node.heartbeat.send(0)
+        after = await node.benchmarked(before)
+        assert UNDER_LOAD_TPS < after.decode_tokens_per_second < 5.0  # one decode call takes over 200 ms
+    finally:
+        await node.close()
+        await nc.close()
+
+
+async def test_a_node_with_sessions_or_real_work_keeps_what_it_measured(nats_server, tiny, tmp_path):
+    nc = await connect(nats_server.url)
+    node = Node(nc, tiny, tmp_path)
+    try:
+        node.age_benchmark()
+        now = time.monotonic()
+        assert node.heartbeat.rebench_due(now)
+        # real decode work in the window: that is measured, the benchmark is not needed
+        await node.runner.compute(lambda: time.sleep(0.01), "decode", 8)
+        assert node.runner.measures("decode") and not node.heartbeat.rebench_due(now)
+        assert node.heartbeat.build(0).decode_tokens_per_second == pytest.approx(8 / 0.01, rel=0.5)
+        node.runner._window.clear()
+        assert node.heartbeat.rebench_due(now)
+        # a session open (or the node draining): not idle
+        node.engine.sessions.add(_session())
+        assert not node.heartbeat.rebench_due(now)
+        node.engine.sessions.pop("s1")
+        node.engine.draining = True
+        assert not node.heartbeat.rebench_due(now)
+        node.engine.draining = False
+        # queued messages: not idle either (send is told the queue depth)
+        await node.heartbeat.send(3)
+        assert not node.heartbeat._rebench
+        assert node.heartbeat.report.decode_tokens_per_second == UNDER_LOAD_TPS
+    finally:
+        await node.close()
+        await nc.close()
+
+
+def _session():
+    from neuron_bus.worker.session_table import HopSession
+
+    route = M.RouteAssignment(
+        route_id="r",
+        model_preset="tiny",
+        model_revision="v1",
+        n_layers_total=4,
+        hops=[M.RouteHop(node_id="n", layer_start=0, layer_end=4, subject="", backend_id="llama-cpp", cache_abi="a")],
+    )
+    req = M.SessionOpen(
+        session_id="s1", route=route, hop_index=0, prompt_tokens=3, n_ctx=8, chunk_size=4,
+        sampling=M.SamplingParams(max_tokens=4),
+    )  # fmt: skip
+    return HopSession(open=req, node_id="n")
