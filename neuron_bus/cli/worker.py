@@ -23,7 +23,7 @@ from neuron_bus.execution import DEFAULT_N_CTX, BackendError, open_range, open_t
 from neuron_bus.subjects import PUBLIC_OWNER, check_token
 from neuron_bus.topology import connect, ensure_topology, identity_of, owner_of
 from neuron_bus.trust import fault as faults
-from neuron_bus.worker.engine import BENCH_PREFILL_POSITIONS, slowed
+from neuron_bus.worker.engine import slowed
 from neuron_bus.worker.service import WorkerOptions, WorkerService
 from neuron_bus.worker.source import Source, auto_source, fetch_range, fetch_slice, local_source, parse_size
 
@@ -41,8 +41,9 @@ def build_report(
     fit: M.NodeFit | None = None,
 ) -> M.CapabilityReport:
     cap = msgspec.structs.asdict(backend.capability)
-    cap["prefill_tokens_per_second"] = slowed(cap["prefill_tokens_per_second"], BENCH_PREFILL_POSITIONS, slow_ms)
-    cap["decode_tokens_per_second"] = slowed(cap["decode_tokens_per_second"], 1, slow_ms)
+    cap["prefill_tokens_per_second"], cap["decode_tokens_per_second"] = slowed(
+        cap["prefill_tokens_per_second"], cap["decode_tokens_per_second"], slow_ms
+    )
     return M.CapabilityReport(
         node_id=node_id,
         model_preset=preset,

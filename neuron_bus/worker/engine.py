@@ -43,11 +43,16 @@ from workers.errors import Reason
 BENCH_PREFILL_POSITIONS = 256  # positions per prefill call a slowed self-benchmark is reckoned for
 
 
-def slowed(tokens_per_second: float, positions_per_call: int, slow_ms: float) -> float:
-    """Throughput once every backend call takes ``slow_ms`` longer (injected slowness)."""
-    if not slow_ms or tokens_per_second <= 0:
-        return tokens_per_second
-    return positions_per_call / (positions_per_call / tokens_per_second + slow_ms / 1000.0)
+def slowed(prefill_tps: float, decode_tps: float, slow_ms: float) -> tuple[float, float]:
+    """A self-benchmark's (prefill, decode) tokens/s once every backend call takes ``slow_ms``
+    longer (injected slowness): a prefill call of ``BENCH_PREFILL_POSITIONS``, a decode call of one."""
+
+    def one(tokens_per_second: float, positions_per_call: int) -> float:
+        if not slow_ms or tokens_per_second <= 0:
+            return tokens_per_second
+        return positions_per_call / (positions_per_call / tokens_per_second + slow_ms / 1000.0)
+
+    return one(prefill_tps, BENCH_PREFILL_POSITIONS), one(decode_tps, 1)
 
 
 @dataclass
@@ -222,7 +227,7 @@ class HopEngine:
         """The backend's self-benchmark taken again (on the backend thread: it computes), as
         slow as this engine makes every call (``slow_ms``, fault injection)."""
         prefill, decode = self.backend.benchmark()
-        return slowed(prefill, BENCH_PREFILL_POSITIONS, self.opts.slow_ms), slowed(decode, 1, self.opts.slow_ms)
+        return slowed(prefill, decode, self.opts.slow_ms)
 
     def compute(self, steps: list[Step], phase: str) -> list[np.ndarray | Exception]:
         """Each step's backend output, or the exception it failed with."""

@@ -84,13 +84,12 @@ class Heartbeat:
 
     async def benchmark_again(self) -> None:
         report = self.report
-        self.benchmarked_at = time.monotonic()  # a failed benchmark is not retried at once
+        self.benchmarked_at = time.monotonic()  # also when it fails: not retried at once
         try:
             prefill, decode = await self.runner.call(self.engine.benchmark)
         except Exception:
             log.warning("worker %s: self-benchmark failed", report.node_id, exc_info=True)
             return
-        self.benchmarked_at = time.monotonic()
         if self.report is report:  # still the same range (a move brings its own benchmark)
             self.report = msgspec.structs.replace(
                 report, prefill_tokens_per_second=prefill, decode_tokens_per_second=decode
