@@ -165,6 +165,9 @@ class NodeHeartbeat(Struct):
     neighbour_latency_ms: dict[str, float] = {}
     route_failure_rate: float = 0.0
     status: Literal["starting", "ready", "draining"] = "ready"
+    # the node's own round trip to its NATS server (least of its last few flushes): the tracker's
+    # figure for a node it has not pinged yet (one round of pings reaches a few hundred nodes)
+    server_rtt_ms: float | None = None
 
     def __post_init__(self) -> None:  # the tracker decodes thousands a second: one cheap test, then the reasons
         if _ID.match(self.node_id) is None or not 0 <= self.layer_start < self.layer_end:
@@ -178,6 +181,7 @@ class NodeHeartbeat(Struct):
             self.memory_pressure,
             self.route_failure_rate,
             min(self.neighbour_latency_ms.values(), default=0.0),
+            self.server_rtt_ms or 0.0,
         )
         if lowest >= 0:
             return
@@ -190,6 +194,7 @@ class NodeHeartbeat(Struct):
             memory_pressure=self.memory_pressure,
             route_failure_rate=self.route_failure_rate,
             neighbour_latency_ms=min(self.neighbour_latency_ms.values(), default=0.0),
+            server_rtt_ms=self.server_rtt_ms or 0.0,
         )
 
 

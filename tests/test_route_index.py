@@ -168,9 +168,9 @@ def route_ids(plan) -> list[str]:
     return [h.node_id for h in plan.hops]
 
 
-def heartbeat(node_id: str, a: int, b: int, **kw) -> messages.NodeHeartbeat:
+def heartbeat(node_id: str, a: int, b: int, seq: int = 1, **kw) -> messages.NodeHeartbeat:
     return messages.NodeHeartbeat(
-        node_id=node_id, seq=1, ts=0.0, layer_start=a, layer_end=b, cache_abi="llama-kv-f16-v1", **kw
+        node_id=node_id, seq=seq, ts=float(seq), layer_start=a, layer_end=b, cache_abi="llama-kv-f16-v1", **kw
     )
 
 
@@ -204,6 +204,29 @@ def test_registry_keeps_the_index_exact_through_heartbeats_expiry_and_assignment
     assert reg.index.view("a").rtt == 0.02
     reg.sweep(62.0)
     assert [v.node_id for v in reg.views(62.0)] == ["a"]  # b: dead for longer than forget_after (a: not yet)
+
+
+def test_a_reported_round_trip_stands_until_the_pings_disprove_it():
+    reg = Registry(TrackerParams(expiry=5.0))
+
+    def node(name: str, server_rtt_ms: float | None, *rtts: float):
+        reg.apply_report(report(name, 0, 30), now=0.0)
+        reg.apply_heartbeat(heartbeat(name, 0, 30, decode_tokens_per_second=50.0, server_rtt_ms=server_rtt_ms), 1.0)
+        for rtt in rtts:
+            reg.record_rtt(name, rtt, now=1.1)
+        return reg.index.view(name).rtt
+
+    assert node("silent", None) is None  # neither: the group's reference weighs it (speed.half_seam)
+    assert node("claims", 5.0) == 0.005  # not pinged yet: its own flushes
+    assert node("queued", 5.0, 0.015, 0.021) == 0.005  # pings through busy queues agree within the slack
+    assert node("far", 5.0, 0.2) == 0.2  # pings far above the claim disprove it
+    assert node("modest", 50.0, 0.01) == 0.01  # it says more than the pings: the pings' figure
+    assert node("pinged", None, 0.03) == 0.03
+    # a claim that moves by more than 10% is refiled; noise is not
+    reg.apply_heartbeat(heartbeat("claims", 0, 30, decode_tokens_per_second=50.0, server_rtt_ms=5.3, seq=2), 2.0)
+    assert reg.index.view("claims").rtt == 0.005
+    reg.apply_heartbeat(heartbeat("claims", 0, 30, decode_tokens_per_second=50.0, server_rtt_ms=8.0, seq=3), 3.0)
+    assert reg.index.view("claims").rtt == 0.008
 
 
 def test_ping_sampler_is_bounded_and_puts_candidates_and_the_unmeasured_first():
@@ -260,6 +283,7 @@ def test_the_registry_knows_in_constant_time_whether_any_node_places_itself():
         ("seq", -1, "seq must not be negative"),
         ("queue_depth", -3, "queue_depth must not be negative"),
         ("neighbour_latency_ms", {"x": -1.0}, "neighbour_latency_ms must not be negative"),
+        ("server_rtt_ms", -0.5, "server_rtt_ms must not be negative"),
         ("node_id", "a b", "is not 1-128 of"),
         ("layer_end", 0, "is empty or negative"),
     ],

@@ -6,7 +6,8 @@ Each node speaks the workers' protocol: its ``CapabilityReport`` in KV ``neuron-
 ``Ping`` on ``neuron.node.<id>.ctl`` after its simulated round trip (one wildcard subscription
 answers for all of them; a dead node does not answer). Route assignments
 (``neuron.route.assign.>``) open simulated sessions on their hops: heartbeats report them as
-``sessions_active`` and the route neighbours' latencies as ``neighbour_latency_ms``.
+``sessions_active`` and the route neighbours' latencies as ``neighbour_latency_ms``; the round
+trip its own flushes would measure (its true one, a little over) as ``server_rtt_ms``.
 
     python -m neuron_bus.sim.pool --nats URL --nodes N --seed S --duration D --churn C --t0 WALL
 
@@ -164,6 +165,7 @@ class Pool:
             neighbour_latency_ms=neighbours,
             route_failure_rate=node.failure_rate,
             status="draining" if node_id in self.draining else "ready",
+            server_rtt_ms=round(node.rtt * 1000 * 1.02 + 0.1, 3),  # its flushes cross its own loop too
         )
 
     def _active(self, node_id: str, now: float):
