@@ -3,10 +3,7 @@
 - route failure rate: the share of this node's recent sessions that ended in an error;
 - latency to neighbours: round trips over the bus to the nodes next to it on its routes
   (neuron_bus/ping.py: a `Ping` on their control subject, answered by their `Pong`), halved,
-  refreshed every few seconds;
-- round trip to its own NATS server: a flush (the protocol's PING/PONG) with every heartbeat, the
-  least of the last few (queues only ever lengthen one). The tracker plans on it until its own
-  sampled pings reach the node.
+  refreshed every few seconds.
 """
 
 from __future__ import annotations
@@ -14,15 +11,12 @@ from __future__ import annotations
 import time
 from collections import deque
 
-import nats.errors
-
 from neuron_bus import messages as M
 from neuron_bus.ping import ping_many
 
 PING_EVERY_S = 5.0
 PING_TIMEOUT_S = 1.0
 OUTCOMES_KEPT = 50
-SERVER_RTT_SAMPLES = 8
 
 
 class NodeTelemetry:
@@ -31,19 +25,6 @@ class NodeTelemetry:
         self._outcomes: deque[bool] = deque(maxlen=OUTCOMES_KEPT)  # True = the session failed
         self.latency_ms: dict[str, float] = {}
         self._pinged_at = 0.0
-        self._server_rtts: deque[float] = deque(maxlen=SERVER_RTT_SAMPLES)
-
-    @property
-    def server_rtt_ms(self) -> float | None:
-        return round(min(self._server_rtts) * 1000, 3) if self._server_rtts else None
-
-    async def measure_server_rtt(self, nc) -> None:
-        t0 = time.perf_counter()
-        try:
-            await nc.flush(timeout=PING_TIMEOUT_S)
-        except (TimeoutError, nats.errors.Error):
-            return  # no figure this time; the last ones stand
-        self._server_rtts.append(time.perf_counter() - t0)
 
     def session_ended(self, failed: bool) -> None:
         self._outcomes.append(failed)
