@@ -330,16 +330,13 @@ def _same_state(old: NodeHeartbeat | None, new: NodeHeartbeat) -> bool:
         and (old.layer_start, old.layer_end, old.cache_abi) == (new.layer_start, new.layer_end, new.cache_abi)
         and abs(new.decode_tokens_per_second - old.decode_tokens_per_second) <= TPS_NOISE * old.decode_tokens_per_second
         and old.neighbour_latency_ms.keys() == new.neighbour_latency_ms.keys()
-        and all(
-            abs(v - old.neighbour_latency_ms[k]) <= 0.1 * old.neighbour_latency_ms[k]
-            for k, v in new.neighbour_latency_ms.items()
-        )
+        and all(_close(old.neighbour_latency_ms[k], v) for k, v in new.neighbour_latency_ms.items())
         and _close(old.server_rtt_ms, new.server_rtt_ms)
     )
 
 
 def _close(old: float | None, new: float | None) -> bool:
-    """Two reported round trips within 10% of each other (or both missing)."""
+    """Two reported latencies within 10% of each other (or both missing)."""
     if old is None or new is None:
         return old is new
     return abs(new - old) <= 0.1 * old
