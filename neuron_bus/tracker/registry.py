@@ -240,18 +240,14 @@ class Registry:
         that depend on the clock, the flags, the group's references and the last heartbeat's
         memory pressure (no reason to refile a node) are set here: O(1) a node."""
         out = []
-        expiry, slow_factor = self.params.expiry, self.params.slow_factor
+        params = self.params
+        expiry = params.expiry
         for r in records:
             v = r.view
             t = r.tracked
             if t is None:
                 t = r.tracked = tracked_node(v, False)
-            group_speed = speeds[v.numerics]
-            if r.node_id in group_speed.members:  # the usual case: one comparison with its size's threshold
-                threshold = group_speed.slow_threshold(v.n_layers, slow_factor)
-                t.slow = threshold is not None and v.decode_tps is not None and 1.0 / v.decode_tps > threshold
-            else:
-                t.slow = group_speed.is_slow(v, self.params)
+            t.slow = speeds[v.numerics].is_slow(v, params)
             alive = r.last_seen is not None and now - r.last_seen <= expiry
             t.alive = alive
             t.status = v.status if alive else "expired"

@@ -118,6 +118,9 @@ class GroupSpeed:
         t = measured_seconds_per_token(view)
         if t is None:
             return False
+        if view.node_id in self.members:  # the usual case: one comparison with its size's threshold
+            threshold = self.slow_threshold(view.n_layers, params.slow_factor)
+            return threshold is not None and t > threshold
         reference = self.reference_seconds_per_token(view)
         return reference is not None and t > params.slow_factor * reference
 
