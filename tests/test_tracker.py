@@ -19,6 +19,7 @@ from neuron_bus import subjects as S
 from neuron_bus.topology import connect, ensure_topology
 from neuron_bus.tracker import TrackerParams, TrackerService
 from neuron_bus.tracker.registry import Registry
+from neuron_bus.tracker.service import coverage_freshness
 from tests.test_planner import report
 
 BIN = str(Path(sys.executable).parent / "neuron-bus")
@@ -293,6 +294,46 @@ async def test_coverage_shows_the_last_heartbeats_memory_pressure(bus, tracker):
     await shows(0.25)
     node.memory_pressure = 0.75  # nothing the route index cares about changes: the node is not refiled
     await shows(0.75)
+
+
+def test_a_coverage_map_is_served_fresh_then_stale_while_rebuilt_then_only_after_a_rebuild():
+    params = TrackerParams(expiry=5.0)
+    cost = 0.2  # a 10,000-node map: fresh for 4x its cost, then stale for up to half the expiry more
+    assert coverage_freshness(0.8, cost, params) == "fresh"
+    assert coverage_freshness(0.81, cost, params) == "stale"
+    assert coverage_freshness(3.3, cost, params) == "stale"  # half the expiry (2.5 s) caps 20x the cost (4 s)
+    assert coverage_freshness(3.31, cost, params) == "build"
+    assert coverage_freshness(2.0, 1.0, params) == "fresh"  # a slow build's own reuse time comes first
+    assert coverage_freshness(6.51, 1.0, params) == "build"
+    assert coverage_freshness(0.049, 0.002, params) == "build"  # a small swarm's map: 4x + 20x 2 ms
+
+
+async def test_a_stale_coverage_map_is_served_at_once_and_the_next_request_gets_the_rebuilt_one(bus, tracker):
+    await bus.node("first", 0, 30)
+    await live(tracker, "first")
+    key = (None, True, True)
+
+    def node_ids(report):
+        return {n.node_id for n in report.nodes}
+
+    assert node_ids(await ask_coverage(bus.nc)) == {"first"}
+    await bus.node("second", 0, 30)
+    await live(tracker, "second")
+    _, _, data = tracker._coverage[key]
+    # as if the map had taken 50 ms to build and were 0.4 s old: past 4x its cost, within half the expiry more
+    tracker._coverage[key] = (time.monotonic() - 0.4, 0.05, data)
+    assert node_ids(await ask_coverage(bus.nc)) == {"first"}  # the last map, at once
+
+    async def rebuilt():
+        return node_ids(await ask_coverage(bus.nc)) == {"first", "second"}
+
+    await eventually(rebuilt, timeout=2)
+    # a map older than the stale window is not served: the request waits for a new one
+    await bus.node("third", 0, 30)
+    await live(tracker, "third")
+    _, _, data = tracker._coverage[key]
+    tracker._coverage[key] = (time.monotonic() - 0.9, 0.05, data)
+    assert node_ids(await ask_coverage(bus.nc)) == {"first", "second", "third"}
 
 
 def test_a_heartbeat_sent_before_the_one_applied_is_dropped():

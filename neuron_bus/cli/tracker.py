@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import signal
+import time
 
 import msgspec
 import typer
@@ -186,7 +187,8 @@ def render(report: messages.CoverageReport, model: str | None = None) -> None:
         console.print(
             f"placement ({d.kind}): {d.node_id} -> {d.model_preset} layers {spell(d.layer_start, d.layer_end)}: {d.reason}"
         )
+    age = max(time.time() - report.generated_at, 0.0)  # a large swarm's map may be the tracker's last one
     console.print(
-        f"expiry {report.expiry_seconds:g}s · under-provisioned: < {report.min_replicas} replicas, "
+        f"map built {age:.1f}s ago · expiry {report.expiry_seconds:g}s · under-provisioned: < {report.min_replicas} replicas, "
         f"only replicas > {report.slow_factor:g}x slower, or < {report.min_capacity_tokens_per_second:g} tok/s"
     )

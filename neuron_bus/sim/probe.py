@@ -34,6 +34,7 @@ class _CoverageSummary(msgspec.Struct):
     probe's own event loop, and the route latencies it measures with it)."""
 
     models: list[_ModelSummary] = []
+    generated_at: float = 0.0
 
 
 @dataclass
@@ -54,6 +55,7 @@ class CoverageResult:
     latency: float | None
     size: int = 0
     live: int = 0
+    age: float | None = None  # how old the map was when it arrived (the tracker may serve its last one)
     error: str | None = None
 
 
@@ -103,7 +105,8 @@ class Probe:
             result = CoverageResult(sent, None, error=f"{type(exc).__name__}: {exc}")
         else:
             live = sum(len(g.nodes_live) for g in report.models)
-            result = CoverageResult(sent, time.perf_counter() - t0, len(msg.data), live)
+            age = time.time() - report.generated_at
+            result = CoverageResult(sent, time.perf_counter() - t0, len(msg.data), live, age)
         self.coverages.append(result)
         return result
 

@@ -291,6 +291,7 @@ async def _latency_phase(
         "bus": _rates(v0, varz(server), seconds),
         "route_ms": percentiles([r.latency for r in probe.routes if r.latency is not None and r.attempts == 1]),
         "coverage_ms": percentiles([c.latency for c in probe.coverages if c.latency is not None]),
+        "coverage_age_ms": percentiles([c.age for c in probe.coverages if c.age is not None]),
         "coverage_bytes": max((c.size for c in probe.coverages), default=0),
         "coverage_live_nodes": [c.live for c in probe.coverages if c.latency is not None][-1:],
         "coverage_errors": [c.error for c in probe.coverages if c.error][:3],
@@ -418,7 +419,7 @@ def summary(result: dict) -> str:
     lines = [
         f"nodes {result['options']['nodes']}, trackers {result['options']['trackers']}",
         f"route ms {lat['route_ms']}",
-        f"coverage ms {lat['coverage_ms']} ({lat['coverage_bytes']} bytes)",
+        f"coverage ms {lat['coverage_ms']} ({lat['coverage_bytes']} bytes), map age ms {lat['coverage_age_ms']}",
     ]
     if "throughput_phase" in result:
         tp = result["throughput_phase"]

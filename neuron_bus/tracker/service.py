@@ -30,7 +30,8 @@ ring.py, coverage.py, latency.py for the parts):
   serve is explained by the pure planner over every node: O(n log n), the rejection path;
 - coverage request: a copy of the index and the node entries on the event loop (O(n) cheap
   steps), the map built and encoded in a worker thread (O(n log n + output)); built at most
-  every COVERAGE_REUSE times its build time, served from that copy in between;
+  every COVERAGE_REUSE times its build time, served from that copy in between, and from an
+  older one (``coverage_freshness``) while the next is built;
 - pings: a bounded sample per interval (latency.py), whatever n is; a large group's straggler
   references are rebuilt in a worker thread, at most every 20 times what they take.
 The tracker process (``tune_process``) runs full garbage collections on a timer: at 10,000 nodes
@@ -90,7 +91,9 @@ QUEUE_GROUP = "neuron-tracker"
 SWEEP_INTERVAL = 0.25
 REPORT_RETRY = 2.0
 IN_FLIGHT = 64  # route requests served at once
-COVERAGE_REUSE = 4.0  # a coverage report is reused for up to this many times its build time
+COVERAGE_REUSE = 4.0  # a coverage report is served as is while younger than this many times its build time
+COVERAGE_STALE = 20.0  # ... then at once, while a new one is built, for up to this many times more
+COVERAGE_STALE_EXPIRY = 0.5  # (and at most this share of the expiry more: liveness is that uncertain anyway)
 FULL_GC_INTERVAL = 120.0  # seconds between full collections once tune_process ran
 PLACEMENT_LEASE = "placement"
 YIELD_EVERY = 32  # heartbeats handled in a row before other callbacks get a turn
@@ -446,17 +449,32 @@ class TrackerService:
     async def coverage(self, req: CoverageRequest = CoverageRequest()) -> bytes:
         """The encoded coverage map for ``req``: a copy of the route index and of the node
         entries is taken here (O(n) cheap steps), the map is built and encoded in a worker thread
-        meanwhile route requests and heartbeats go on; one build at a time per kind of request,
-        reused while younger than COVERAGE_REUSE times its build time."""
+        meanwhile route requests and heartbeats go on; one build at a time per kind of request.
+        The last map is served as is while younger than COVERAGE_REUSE times its build time, then
+        at once while a new one is built (``coverage_freshness``) for COVERAGE_STALE times its
+        build time more, at most COVERAGE_STALE_EXPIRY of the expiry more: a large swarm's map
+        (a build of 0.1-0.3 s at 10,000 nodes) is then not waited for by a client asking every
+        few seconds, and is about as old as that client's last request; a small swarm's map
+        (a few ms) is fresh."""
         key = (req.model_preset, req.nodes, req.replicas)
         cached = self._coverage.get(key)
-        if cached is not None and _mono() - cached[0] <= COVERAGE_REUSE * cached[1]:
+        freshness = "build" if cached is None else coverage_freshness(_mono() - cached[0], cached[1], self.params)
+        if freshness == "fresh":
             return cached[2]
         pending = self._coverage_builds.get(key)
         if pending is None:
-            pending = self._coverage_builds[key] = asyncio.ensure_future(self._build_coverage(req, key))
-            pending.add_done_callback(lambda _: self._coverage_builds.pop(key, None))
+            pending = self._coverage_builds[key] = self._background.spawn(
+                self._build_coverage(req, key), name="coverage"
+            )
+            pending.add_done_callback(lambda f: self._coverage_built(key, f))
+        if freshness == "stale":
+            return cached[2]
         return await asyncio.shield(pending)
+
+    def _coverage_built(self, key: tuple, build: asyncio.Future) -> None:
+        self._coverage_builds.pop(key, None)
+        if not build.cancelled() and build.exception() is not None:  # also when nobody waited for it
+            log.warning("tracker: building the coverage map failed: %r", build.exception())
 
     async def _build_coverage(self, req: CoverageRequest, key: tuple) -> bytes:
         t0 = _mono()
@@ -498,3 +516,15 @@ class TrackerService:
                 )
             )
         await msg.respond(data)
+
+
+def coverage_freshness(age: float, cost: float, params: TrackerParams) -> str:
+    """How a coverage map ``age`` seconds old that took ``cost`` seconds to build is served:
+    ``fresh`` (as is), ``stale`` (at once, while a new one is built) or ``build`` (after a new
+    one is built)."""
+    reuse = COVERAGE_REUSE * cost
+    if age <= reuse:
+        return "fresh"
+    if age <= reuse + min(COVERAGE_STALE * cost, COVERAGE_STALE_EXPIRY * params.expiry):
+        return "stale"
+    return "build"
