@@ -165,8 +165,8 @@ class NodeHeartbeat(Struct):
     neighbour_latency_ms: dict[str, float] = {}
     route_failure_rate: float = 0.0
     status: Literal["starting", "ready", "draining"] = "ready"
-    # the node's own round trip to its NATS server, if it measures one: the tracker plans on it
-    # while its pings agree (registry._round_trip); simulated nodes send it, workers not yet
+    # the node's own round trip to its NATS server (least of its last few PINGs), if it measured
+    # one: the tracker plans on it while its pings agree (registry._round_trip)
     server_rtt_ms: float | None = None
 
     def __post_init__(self) -> None:  # the tracker decodes thousands a second: one cheap test, then the reasons

@@ -1,7 +1,9 @@
-"""One round trip to a node: a `Ping` on its control subject, answered by a `Pong` naming it.
+"""Round trips: to a node (a `Ping` on its control subject, answered by a `Pong` naming it), and
+to the connection's own server (the protocol's PING/PONG).
 
-Used by the tracker (latency to every node it may route through) and by workers (latency to
-their route neighbours). Lives outside ``tracker/`` so that a worker never loads the tracker.
+Used by the tracker (latency to every node it may route through, and its own to its server) and
+by workers (latency to their route neighbours, and to their server). Lives outside ``tracker/``
+so that a worker never loads the tracker.
 """
 
 from __future__ import annotations
@@ -32,6 +34,28 @@ async def ping(nc: nats.NATS, node_id: str, timeout: float = 1.0) -> float | Non
     if not isinstance(reply, messages.Pong) or reply.node_id != node_id:
         return None
     return time.perf_counter() - t0
+
+
+async def server_round_trip(nc: nats.NATS, timeout: float = 1.0) -> float | None:
+    """Seconds for a PING to ``nc``'s server and its PONG back, or None if none came within
+    ``timeout`` (or the connection is down).
+
+    Not ``nc.flush(timeout)``: on a timeout nats-py (2.16) cancels the flush's future but leaves it
+    queued for the PONG, and the PONG that arrives later (a link that held its bytes, not one that
+    dropped them) makes ``_process_pong`` set the result of a cancelled future: the
+    InvalidStateError ends the client's read loop, and the connection goes on sending but never
+    reads again (tests/test_ping.py shows both). Here the future is never cancelled: a late PONG
+    completes it, unread; a reconnect drops it with the client's list of PONGs awaited."""
+    if not nc.is_connected:
+        return None
+    pong = asyncio.get_running_loop().create_future()
+    t0 = time.perf_counter()
+    try:
+        await nc._send_ping(pong)  # nats-py has no public ping without flush's cancellation
+    except (nats.errors.Error, OSError, AssertionError):
+        return None
+    done, _ = await asyncio.wait({pong}, timeout=timeout)
+    return time.perf_counter() - t0 if done else None
 
 
 async def ping_many(

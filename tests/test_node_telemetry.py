@@ -49,3 +49,18 @@ async def test_latency_to_neighbours_is_measured_over_the_bus(nats_server):
     finally:
         await nc.close()
     await asyncio.sleep(0)
+
+
+async def test_round_trip_to_the_server_is_the_least_of_the_last_pings(nats_server):
+    nc = await connect(nats_server.url)
+    try:
+        t = NodeTelemetry("me")
+        assert t.server_rtt_ms is None  # nothing measured: the heartbeat says nothing
+        for _ in range(3):
+            await t.measure_server_rtt(nc)
+        assert 0 < t.server_rtt_ms < 1000
+        assert t.server_rtt_ms == round(min(t._server_rtts) * 1000, 3)
+    finally:
+        await nc.close()
+    await t.measure_server_rtt(nc)  # a closed connection: no figure, the last ones stand
+    assert len(t._server_rtts) == 3

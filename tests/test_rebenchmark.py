@@ -100,6 +100,7 @@ async def test_an_idle_node_takes_its_benchmark_again_and_reports_it(nats_server
         )
         beat = await node.beat(inbox)
         assert beat.decode_tokens_per_second == after.decode_tokens_per_second
+        assert beat.server_rtt_ms is not None and 0 < beat.server_rtt_ms < 1000  # its PINGs, since the first beat
         assert not node.heartbeat.rebench_due(time.monotonic())  # once per REBENCH_IDLE_S while idle
     finally:
         await node.close()

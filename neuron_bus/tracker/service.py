@@ -73,7 +73,7 @@ from neuron_bus.messages import (
     RouteRejection,
     RouteRequest,
 )
-from neuron_bus.ping import ping_many
+from neuron_bus.ping import ping_many, server_round_trip
 from neuron_bus.tasks import Background
 from neuron_bus.tracker.coverage import assemble, group_speeds
 from neuron_bus.tracker.latency import PingSampler
@@ -310,17 +310,14 @@ class TrackerService:
 
     async def _ping_loop(self) -> None:
         """Ping a sample of nodes every interval (latency.py). A node's round trip is counted from
-        the server: the tracker's own round trip to it (a flush, the least of the last few) is
+        the server: the tracker's own round trip to it (a PING, the least of the last few) is
         taken off, as the seams between two nodes never cross the tracker."""
         own: deque[float] = deque(maxlen=16)
         rounds, promising = 0, set()
         while True:
-            now = _mono()
-            try:
-                await self.nc.flush(timeout=1)
-                own.append(_mono() - now)
-            except (nats.errors.Error, TimeoutError):
-                pass
+            rtt = await server_round_trip(self.nc, timeout=1)  # not flush: see ping.py
+            if rtt is not None:
+                own.append(rtt)
             base = min(own, default=0.0)
             now = _mono()
             index = self.registry.index

@@ -2,8 +2,9 @@
 
 Its range and cache ABI, load (sessions, queued messages), measured throughput (runner.py:
 positions per busy second over the last 30 s of real work, or the self-benchmark before there
-is any), memory pressure, route failure rate and the latency to its neighbours on its routes
-(node_telemetry.py; the pings run beside the heartbeats, never in their way).
+is any), memory pressure, route failure rate, the latency to its neighbours on its routes and its
+round trip to its server (node_telemetry.py; the pings run beside the heartbeats, never in their
+way).
 
 A self-benchmark is a few calls: taken while the machine was busy (other workers loading their
 models at the same moment, say) it can be several times too slow, and a node the planner then
@@ -60,15 +61,20 @@ class Heartbeat:
             neighbour_latency_ms=dict(self.node_telemetry.latency_ms),
             route_failure_rate=self.node_telemetry.failure_rate(),
             status="draining" if self.engine.draining else "ready",
+            server_rtt_ms=self.node_telemetry.server_rtt_ms,
         )
 
     async def send(self, queue_depth: int) -> None:
         await self.nc.publish(S.node_heartbeat(self.report.node_id), M.encode(self.build(queue_depth)))
         if not self._probes:  # one round of neighbour pings at a time
             routes = list({s.route.route_id: s.route for s in self.engine.sessions}.values())
-            self._probes.spawn(self.node_telemetry.refresh_latency(self.nc, neighbours(self.report.node_id, routes)))
+            self._probes.spawn(self._probe(neighbours(self.report.node_id, routes)))
         if queue_depth == 0 and not self._rebench and self.rebench_due(time.monotonic()):
             self._rebench.spawn(self.benchmark_again())
+
+    async def _probe(self, neighbour_ids: set[str]) -> None:
+        await self.node_telemetry.measure_server_rtt(self.nc)
+        await self.node_telemetry.refresh_latency(self.nc, neighbour_ids)
 
     def rebench_due(self, now: float) -> bool:
         """Idle (no session, nothing on the backend thread, no real decode work in the window) since

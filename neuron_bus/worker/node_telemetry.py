@@ -3,7 +3,11 @@
 - route failure rate: the share of this node's recent sessions that ended in an error;
 - latency to neighbours: round trips over the bus to the nodes next to it on its routes
   (neuron_bus/ping.py: a `Ping` on their control subject, answered by their `Pong`), halved,
-  refreshed every few seconds.
+  refreshed every few seconds;
+- round trip to its own NATS server: the protocol's PING/PONG with every heartbeat
+  (ping.server_round_trip: not a flush, whose timeout over a held link leaves the connection
+  deaf), the least of the last few (queues only ever lengthen one). The tracker plans on it
+  while its own sampled pings agree.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ import time
 from collections import deque
 
 from neuron_bus import messages as M
-from neuron_bus.ping import ping_many
+from neuron_bus.ping import ping_many, server_round_trip
 
 PING_EVERY_S = 5.0
 PING_TIMEOUT_S = 1.0
 OUTCOMES_KEPT = 50
+SERVER_RTT_SAMPLES = 8
 
 
 class NodeTelemetry:
@@ -25,6 +30,16 @@ class NodeTelemetry:
         self._outcomes: deque[bool] = deque(maxlen=OUTCOMES_KEPT)  # True = the session failed
         self.latency_ms: dict[str, float] = {}
         self._pinged_at = 0.0
+        self._server_rtts: deque[float] = deque(maxlen=SERVER_RTT_SAMPLES)
+
+    @property
+    def server_rtt_ms(self) -> float | None:
+        return round(min(self._server_rtts) * 1000, 3) if self._server_rtts else None
+
+    async def measure_server_rtt(self, nc) -> None:
+        rtt = await server_round_trip(nc, PING_TIMEOUT_S)
+        if rtt is not None:  # no figure this time (a held or cut link): the last ones stand
+            self._server_rtts.append(rtt)
 
     def session_ended(self, failed: bool) -> None:
         self._outcomes.append(failed)
