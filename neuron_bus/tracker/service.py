@@ -450,7 +450,7 @@ class TrackerService:
         The last map is served as is while younger than COVERAGE_REUSE times its build time, then
         at once while a new one is built (``coverage_freshness``) for COVERAGE_STALE times its
         build time more, at most COVERAGE_STALE_EXPIRY of the expiry more: a large swarm's map
-        (a build of 0.1-0.3 s at 10,000 nodes) is then not waited for by a client asking every
+        (a build of 0.2-0.5 s at 10,000 nodes) is then not waited for by a client asking every
         few seconds, and is about as old as that client's last request; a small swarm's map
         (a few ms) is fresh."""
         key = (req.model_preset, req.nodes, req.replicas)
