@@ -456,7 +456,7 @@ class TrackerService:
         key = (req.model_preset, req.nodes, req.replicas)
         cached = self._coverage.get(key)
         freshness = "build" if cached is None else coverage_freshness(_mono() - cached[0], cached[1], self.params)
-        if freshness == "fresh":
+        if cached is not None and freshness == "fresh":
             return cached[2]
         pending = self._coverage_builds.get(key)
         if pending is None:
@@ -464,7 +464,7 @@ class TrackerService:
                 self._build_coverage(req, key), name="coverage"
             )
             pending.add_done_callback(lambda f: self._coverage_built(key, f))
-        if freshness == "stale":
+        if cached is not None and freshness == "stale":
             return cached[2]
         return await asyncio.shield(pending)
 
