@@ -155,9 +155,9 @@ def expected_seconds_per_token(view: NodeView, reference: float | None, params: 
 
 
 def half_seam(view: NodeView, params: TrackerParams, rtt_reference: float | None = None) -> float:
-    """A node's share of each seam it sits on: half its round trip to the tracker (messages cross
-    the server, which the tracker is usually next to), or, until the tracker has pinged it, the
-    round trip to its server the node reports (registry._round_trip). A node without either is assumed
+    """A node's share of each seam it sits on: half its round trip to the server (messages cross
+    the server): the figure the node reports while the tracker's pings agree with it, else the
+    pings' own (registry._round_trip). A node without either is assumed
     ``unmeasured_factor`` times the group's reference round trip (never preferred over a measured
     node for being unmeasured), or the default seam without any measurement."""
     if view.rtt is not None:
