@@ -1,8 +1,8 @@
 """What the link emulator costs by itself: small NATS request/replies through a 0 ms link against
 the same over a direct connection.
 
-A responder connects directly; a requester connects once directly and once through an emulated
-link with no delay. Each round trip through the link crosses it twice (request up, reply down),
+A responder connects directly; two requesters connect, one directly and one through an emulated
+link with no delay, and take turns request by request. Each round trip through the link crosses it twice (request up, reply down),
 so the emulator's own cost per crossing is half the difference of the p50 round trips.
 """
 
@@ -26,19 +26,10 @@ class Overhead(msgspec.Struct, kw_only=True):
     samples: int
 
 
-async def _rtts(requester_url: str, subject: str, n: int, body: bytes) -> list[float]:
-    nc = await connect(requester_url, name="linkem-probe-requester")
-    try:
-        for _ in range(20):  # warm-up: connection, subscription interest, code paths
-            await nc.request(subject, body, timeout=5)
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await nc.request(subject, body, timeout=5)
-            out.append(1000 * (time.perf_counter() - t0))
-        return out
-    finally:
-        await nc.close()
+async def _round_trip(nc, subject: str, body: bytes) -> float:
+    t0 = time.perf_counter()
+    await nc.request(subject, body, timeout=5)
+    return 1000 * (time.perf_counter() - t0)
 
 
 async def _measure(server_url: str, relayed_url: str, n: int, rounds: int, body: bytes) -> Overhead:
@@ -50,12 +41,24 @@ async def _measure(server_url: str, relayed_url: str, n: int, rounds: int, body:
 
     await responder.subscribe(subject, cb=answer)
     await responder.flush()
+    direct_nc = await connect(server_url, name="linkem-probe-direct")
+    relayed_nc = await connect(relayed_url, name="linkem-probe-relayed")
     direct, relayed = [], []
     try:
-        for _ in range(rounds):  # alternate, so drift of a shared machine hits both alike
-            direct += await _rtts(server_url, subject, n, body)
-            relayed += await _rtts(relayed_url, subject, n, body)
+        for _ in range(20):  # warm-up: connections, subscription interest, code paths
+            await direct_nc.request(subject, body, timeout=5)
+            await relayed_nc.request(subject, body, timeout=5)
+        for i in range(n * rounds):
+            # Paired and alternated request by request (which goes first alternates too), so drift
+            # of a shared machine -- a busy neighbour, a frequency change -- hits both alike.
+            first, second = (direct_nc, relayed_nc) if i % 2 == 0 else (relayed_nc, direct_nc)
+            a = await _round_trip(first, subject, body)
+            b = await _round_trip(second, subject, body)
+            direct.append(a if first is direct_nc else b)
+            relayed.append(b if first is direct_nc else a)
     finally:
+        await direct_nc.close()
+        await relayed_nc.close()
         await responder.close()
     d, r = statistics.median(direct), statistics.median(relayed)
     return Overhead(
@@ -68,8 +71,8 @@ async def _measure(server_url: str, relayed_url: str, n: int, rounds: int, body:
 
 
 def emulator_overhead(emulator: Emulator, server_port: int, n: int = 300, rounds: int = 3) -> Overhead:
-    """p50 round trips of 128-byte request/replies to a responder on ``server_port``, direct and
-    through a fresh 0 ms link of ``emulator`` (removed afterwards)."""
+    """p50 round trips of ``n * rounds`` pairs of 128-byte request/replies to a responder on
+    ``server_port``, direct and through a fresh 0 ms link of ``emulator`` (removed afterwards)."""
     name = f"probe-{server_port}-{time.monotonic_ns()}"
     port = emulator.add_link(name, server_port)
     try:
