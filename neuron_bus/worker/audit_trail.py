@@ -26,6 +26,7 @@ import numpy as np
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.flow import publish
+from neuron_bus.sampling import top_indices
 from neuron_bus.trust import fault as faults
 from neuron_bus.trust.meter import inference_weight
 
@@ -56,7 +57,7 @@ class AuditTrail:
     def observe(self, session_id: str, index: int, logits: np.ndarray) -> None:
         if index >= LOGIT_SAMPLES:
             return
-        top = np.argsort(-logits, kind="stable")[:TOP_LOGITS]
+        top = top_indices(logits, TOP_LOGITS)
         self._samples.setdefault(session_id, []).append(
             M.LogitSample(index=index, token_ids=[int(t) for t in top], logits=[float(logits[t]) for t in top])
         )
