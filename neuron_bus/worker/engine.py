@@ -72,6 +72,7 @@ class Incoming:
     handle: Any  # the transport's message: the shell acknowledges or terminates it
     headers: dict[str, str] | None
     data: bytes
+    arrived: float = field(default_factory=time.monotonic)  # when the consumer handed it over
 
     @property
     def session_id(self) -> str | None:

@@ -80,6 +80,15 @@ class WorkerMetrics:
             ["phase"],
             registry=self.registry,
         )
+        self.step_seconds = Counter(
+            "neuron_step_seconds_total",
+            "Seconds of the processing loop per wave (decode) or batch (prefill), by stage: wait (its oldest"
+            " message's arrival to the loop taking it), admit, compute (the backend call with its hand-off to and"
+            " from the backend thread; the call alone is neuron_backend_seconds_total), advance, send (outputs"
+            " started)",
+            ["phase", "stage"],
+            registry=self.registry,
+        )
 
         self.rejected_by_reason: dict[str, int] = {}  # the same counts, for `neuron-bus sessions`
 

@@ -3,7 +3,10 @@ decode call quicker than the hand-off to that thread and back — right on the e
 
 The thread keeps heartbeats and control requests responsive while the model computes. A call
 runs inline only while the thread is idle, so calls already queued there (a snapshot export, say)
-keep their order with it. The runner also measures what compute costs: busy seconds per phase
+keep their order with it. A hop with one session and nothing else to do runs that session's decode
+calls inline up to INLINE_ALONE_S: the hand-off to the thread and back (0.2 ms a token per hop,
+scripts/token_profile) is then the largest cost of a hop after the call, and there is no other
+session's work for the event loop to overlap with the call. The runner also measures what compute costs: busy seconds per phase
 (Prometheus) and a 30 s window of real work from which heartbeats report measured throughput.
 """
 
@@ -15,6 +18,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 INLINE_STEP_S = 0.0005  # decode calls quicker than this run on the event loop
+INLINE_ALONE_S = 0.02  # ... and the decode calls of a hop's only session quicker than this
 WORK_WINDOW_S = 30.0
 MIN_POSITIONS_MEASURED = 8  # fewer positions of real work in the window: the self-benchmark stands
 
@@ -35,8 +39,9 @@ class BackendRunner:
         finally:
             self._queued -= 1
 
-    async def compute(self, fn, phase: str, positions: int):
-        """Run one compute call ``fn()`` of ``positions`` positions, inline when it is quick enough."""
+    async def compute(self, fn, phase: str, positions: int, alone: bool = False):
+        """Run one compute call ``fn()`` of ``positions`` positions, inline when it is quick enough
+        (``alone``: the call is for the hop's only session)."""
         took = [0.0]
 
         def timed():
@@ -46,7 +51,8 @@ class BackendRunner:
             finally:
                 took[0] = time.monotonic() - t0  # the call alone, without any hand-off
 
-        inline = phase == "decode" and self._decode_call_s < INLINE_STEP_S and self._queued == 0
+        limit = INLINE_ALONE_S if alone else INLINE_STEP_S
+        inline = phase == "decode" and self._decode_call_s < limit and self._queued == 0
         started = time.monotonic()
         result = timed() if inline else await self.call(timed)
         busy = took[0]

@@ -214,24 +214,35 @@ class WorkerService:
 
     async def _process(self, batch: list[Incoming], phase: str) -> None:
         started = time.monotonic()  # a wave's cost to the ring: admission, compute and sending, not the call alone
+        stage = self.metrics.step_seconds
+        if batch:
+            stage.labels(phase, "wait").inc(max(0.0, started - min(m.arrived for m in batch)))
         for m in batch:
             self.metrics.seam(phase, "in", len(m.data))
         steps, rejected = self.engine.admit(batch, phase)
         for r in rejected:
             self.outbox.reject(r)
+        admitted = time.monotonic()
+        stage.labels(phase, "admit").inc(admitted - started)
         if not steps:
             return
         positions = sum(st.positions for st in steps)
-        results = await self.runner.compute(lambda: self.engine.compute(steps, phase), phase, positions)
+        alone = len(steps) == 1 and len(self.sessions) == 1
+        results = await self.runner.compute(lambda: self.engine.compute(steps, phase), phase, positions, alone)
+        computed = time.monotonic()
+        stage.labels(phase, "compute").inc(computed - admitted)
         outcomes = self.engine.advance(steps, results)
         for o in outcomes:
             if isinstance(o, Gone):
                 await o.step.handle.ack()
             elif isinstance(o, Failed):
                 await self.outbox.failed(o)
+        advanced = time.monotonic()
+        stage.labels(phase, "advance").inc(advanced - computed)
         await self.outbox.send([o for o in outcomes if isinstance(o, Output)])
+        done = time.monotonic()
+        stage.labels(phase, "send").inc(done - advanced)
         if phase == "decode":
-            done = time.monotonic()
             self.waves.ran([st.session for st in steps], positions, done - started, done)
 
     # ------------------------------------------------------------------ heartbeats, reaping
