@@ -2,8 +2,9 @@
 the same over a direct connection.
 
 A responder connects directly; two requesters connect, one directly and one through an emulated
-link with no delay, and take turns request by request. Each round trip through the link crosses it twice (request up, reply down),
-so the emulator's own cost per crossing is half the difference of the p50 round trips.
+link with no delay, and take turns request by request. Each round trip through the link crosses
+it twice (request up, reply down), so the emulator's own cost per crossing is half the difference
+of the p50 round trips.
 """
 
 from __future__ import annotations

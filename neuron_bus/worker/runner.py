@@ -3,11 +3,12 @@ decode call quicker than the hand-off to that thread and back — right on the e
 
 The thread keeps heartbeats and control requests responsive while the model computes. A call
 runs inline only while the thread is idle, so calls already queued there (a snapshot export, say)
-keep their order with it. A hop with one session and nothing else to do runs that session's decode
-calls inline up to INLINE_ALONE_S: the hand-off to the thread and back (0.2 ms a token per hop,
-scripts/token_profile) is then the largest cost of a hop after the call, and there is no other
-session's work for the event loop to overlap with the call. The runner also measures what compute costs: busy seconds per phase
-(Prometheus) and a 30 s window of real work from which heartbeats report measured throughput.
+keep their order with it. A hop with one session and nothing else to do runs that session's
+decode calls inline up to INLINE_ALONE_S: the hand-off to the thread and back (0.2 ms a token per
+hop, scripts/token_profile) is then the largest cost of a hop after the call, and there is no
+other session's work for the event loop to overlap with the call. The runner also measures what
+compute costs: busy seconds per phase (Prometheus) and a 30 s window of real work from which
+heartbeats report measured throughput.
 """
 
 from __future__ import annotations
