@@ -10,7 +10,7 @@ from neuron_bus import messages as M
 from neuron_bus.client import NeuronClient
 from neuron_bus.local_swarm import LocalSwarm
 from neuron_bus.natsserver import free_port
-from tests.prom import counter
+from tests.prom import counter, metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -54,7 +54,7 @@ def test_concurrent_sessions_batch_decode_and_match_their_solo_runs(smollm2_path
         steps = counter(ports[1], "neuron_tokens_total", "decode") - steps0
         inline = counter(ports[1], "neuron_backend_inline_calls_total", "decode") - inline0
         stages = {
-            s: counter(ports[1], "neuron_step_seconds_total", "decode", stage=s)
+            s: metric(ports[1], "neuron_step_seconds_total", phase="decode", stage=s)
             for s in ("wait", "admit", "compute", "advance", "send")
         }
         busy = counter(ports[1], "neuron_backend_seconds_total", "decode")

@@ -6,7 +6,6 @@ import asyncio
 import json
 import subprocess
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -18,22 +17,11 @@ from neuron_bus.client import NeuronClient
 from neuron_bus.local_swarm import LocalSwarm, cli
 from neuron_bus.natsserver import free_port
 from neuron_bus.routes import hop_header
+from tests.prom import metric
 
 pytestmark = pytest.mark.timeout(600)
 
 PROMPT = "The three primary colors are"
-
-
-def metric(port: int, name: str, **labels) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        if key == (f"{name}{{{want}}}" if want else name):
-            return float(value)
-    return 0.0
 
 
 @pytest.fixture(scope="module")
