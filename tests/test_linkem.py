@@ -199,7 +199,7 @@ def test_emulator_process_and_its_overhead_over_nats(nats_server):
     """The child-process emulator under its control channel: a 0 ms link's own cost over real NATS
     request/replies, then a 20 ms link measured through the same API."""
     with EmulatorProcess() as em:
-        cost = emulator_overhead(em, nats_server.config.port, n=200, rounds=2)
+        cost = emulator_overhead(em, nats_server.config.port, n=400)
         assert cost.samples == 400
         assert 0 <= cost.overhead_ms_p50 < 1.0, cost  # a loopback relay hop: tens of microseconds
         port = em.add_link("slow", nats_server.config.port, delay_ms=10)

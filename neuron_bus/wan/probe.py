@@ -33,7 +33,7 @@ async def _round_trip(nc, subject: str, body: bytes) -> float:
     return 1000 * (time.perf_counter() - t0)
 
 
-async def _measure(server_url: str, relayed_url: str, n: int, rounds: int, body: bytes) -> Overhead:
+async def _measure(server_url: str, relayed_url: str, n: int, body: bytes) -> Overhead:
     responder = await connect(server_url, name="linkem-probe-responder")
     subject = "linkem.probe"
 
@@ -44,19 +44,17 @@ async def _measure(server_url: str, relayed_url: str, n: int, rounds: int, body:
     await responder.flush()
     direct_nc = await connect(server_url, name="linkem-probe-direct")
     relayed_nc = await connect(relayed_url, name="linkem-probe-relayed")
-    direct, relayed = [], []
+    direct: list[float] = []
+    relayed: list[float] = []
+    pair = [(direct_nc, direct), (relayed_nc, relayed)]
     try:
-        for _ in range(20):  # warm-up: connections, subscription interest, code paths
-            await direct_nc.request(subject, body, timeout=5)
-            await relayed_nc.request(subject, body, timeout=5)
-        for i in range(n * rounds):
+        for nc, _ in pair * 20:  # warm-up: connections, subscription interest, code paths
+            await _round_trip(nc, subject, body)
+        for i in range(n):
             # Paired and alternated request by request (which goes first alternates too), so drift
             # of a shared machine -- a busy neighbour, a frequency change -- hits both alike.
-            first, second = (direct_nc, relayed_nc) if i % 2 == 0 else (relayed_nc, direct_nc)
-            a = await _round_trip(first, subject, body)
-            b = await _round_trip(second, subject, body)
-            direct.append(a if first is direct_nc else b)
-            relayed.append(b if first is direct_nc else a)
+            for nc, out in pair if i % 2 == 0 else pair[::-1]:
+                out.append(await _round_trip(nc, subject, body))
     finally:
         await direct_nc.close()
         await relayed_nc.close()
@@ -71,14 +69,12 @@ async def _measure(server_url: str, relayed_url: str, n: int, rounds: int, body:
     )
 
 
-def emulator_overhead(emulator: Emulator, server_port: int, n: int = 300, rounds: int = 3) -> Overhead:
-    """p50 round trips of ``n * rounds`` pairs of 128-byte request/replies to a responder on
+def emulator_overhead(emulator: Emulator, server_port: int, n: int = 900) -> Overhead:
+    """p50 round trips of ``n`` pairs of 128-byte request/replies to a responder on
     ``server_port``, direct and through a fresh 0 ms link of ``emulator`` (removed afterwards)."""
     name = f"probe-{server_port}-{time.monotonic_ns()}"
     port = emulator.add_link(name, server_port)
     try:
-        return asyncio.run(
-            _measure(f"nats://127.0.0.1:{server_port}", f"nats://127.0.0.1:{port}", n, rounds, b"\0" * 128)
-        )
+        return asyncio.run(_measure(f"nats://127.0.0.1:{server_port}", f"nats://127.0.0.1:{port}", n, b"\0" * 128))
     finally:
         emulator.remove(name)

@@ -227,7 +227,7 @@ class WorkerService:
         if not steps:
             return
         positions = sum(st.positions for st in steps)
-        alone = len(steps) == 1 and len(self.sessions) == 1
+        alone = len(self.sessions) == 1  # then this is its only step: a batch holds one step per session
         results = await self.runner.compute(lambda: self.engine.compute(steps, phase), phase, positions, alone)
         computed = time.monotonic()
         stage.labels(phase, "compute").inc(computed - admitted)
