@@ -65,8 +65,8 @@ async def route_run(url: str, ports: list[int], ids: list[int], n_decode: int) -
         before = [hop_counters(p) for p in ports]
         run = await generation(client, route, ids, n_decode)
         after = [hop_counters(p) for p in ports]
-    # the counters also hold the prefill's first token and the warm-up; the waves counted are the
-    # decode steps of this run alone, and the client's interval is over the same steps
+    # decode-phase counters: n_decode waves per hop in this run, the steps of the client's n_decode
+    # intervals between its n_decode + 1 tokens (the first comes from the prefill)
     hops = [per_wave_ms(b, a) for b, a in zip(before, after, strict=True)]
     token_ms = 1000 / decode_rate(run)
     return {"token_ms": token_ms, "hops": hops, "bus_ms": token_ms - sum(sum(h.values()) for h in hops)}
