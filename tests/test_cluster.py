@@ -29,6 +29,21 @@ def swarm(smollm2_path, tmp_path_factory):
     s.stop()
 
 
+@pytest.fixture(autouse=True)
+def three_servers(swarm):
+    """Each test starts with three servers, whatever the one before did: a test that failed before
+    restarting the server it killed would leave the next one two, and its kill would take the
+    quorum. The processes' last log lines are printed (pytest shows them when the test failed:
+    where the route stopped)."""
+    yield
+    for name in swarm.procs:
+        print(f"--- {name}\n{swarm.log_tail(name, 20)}")
+    for srv in swarm.servers:
+        if srv.proc is None or srv.proc.poll() is not None:
+            srv.proc = None
+            restart(srv)
+
+
 def test_killing_one_server_mid_generation_the_generation_completes(swarm, reference):
     ids = reference.tokenizer.encode(PROMPT)
     n = 48
@@ -51,11 +66,10 @@ def test_killing_one_server_mid_generation_the_generation_completes(swarm, refer
     tokens, killed = asyncio.run(scenario())
     assert killed is not None and killed.proc is None
     assert tokens == reference(ids, n)
-    restart(killed)
 
 
 def restart(srv) -> None:
-    """Bring a killed server back (same store): the next test has three servers again."""
+    """Bring a killed server back (same store), its streams' replicas caught up."""
     srv.start(timeout=60)
 
     async def caught_up() -> None:
@@ -118,5 +132,3 @@ def test_sigkill_of_the_server_leading_the_route_consumers_mid_generation_loses_
     assert tokens == reference(ids, n)
     assert sorted({d.index: d.token_id for d in deltas}.items()) == list(enumerate(tokens))
     print(f"SIGKILL of {killed.config.server_name}: the longest wait for a token {max(gaps[10:]):.1f}s")
-    killed.proc = None
-    restart(killed)
