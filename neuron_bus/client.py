@@ -152,6 +152,10 @@ class NeuronClient:
             raise RouteError(Reason.of(reply.code), f"{node_id}: {reply.message}", node_id=node_id)
         return reply
 
+    async def tell(self, node_id: str, req) -> None:
+        """A control request that asks for no reply (for a node that may never answer again)."""
+        await self.nc.publish(S.node_control(node_id), M.encode(req))
+
     async def ask_tracker(self, subject: str, req, timeout: float, wait: float | None = None):
         """A request to the tracker. While none answers (it is restarting: no responders, or no
         reply within ``timeout``) ask again for up to ``wait`` seconds (default ``tracker_wait``),

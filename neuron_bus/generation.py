@@ -9,7 +9,9 @@
 - recovery: a failure before the first token restarts from scratch on a new route; a node lost
   during decode is replaced from a snapshot when possible (repair.py); anything else is final;
 - failure: the last phase, node and reason go to the session's telemetry, then RouteError;
-- close: every hop that opened the session frees it.
+- close: every hop that opened the session frees it; a node lost or unreachable is told without
+  waiting for its answer, so a failure reaches the caller within the liveness bound rather than
+  after a control request's timeout (a held link delivers the close once it heals).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route 
 CATCH_UP_S = 1.0  # this long without an event, the session's stored tokens are read for missed ones
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
 MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
+SILENT = {Reason.NODE_LOST, Reason.NODE_UNREACHABLE}  # failures of a node that may not answer a close
 RETRYABLE = {
     Reason.DRAINING,  # the node moves to other layers (the tracker routes around it within a heartbeat)
     Reason.NODE_LOST,
@@ -420,6 +423,8 @@ class GenerationRun:
 
     async def _recover(self, exc: RouteError) -> bool:
         """Retry or repair after ``exc``, or raise it. Returns whether the run must start again."""
+        if exc.node_id and exc.reason in SILENT:
+            self.lost.add(exc.node_id)  # avoided from now on, and closing its session does not wait for it
         if not self.generated:  # before the first token: retry from scratch on a new route
             if exc.reason not in RETRYABLE or self.retries >= self.prefill_retries:
                 raise exc
@@ -435,7 +440,6 @@ class GenerationRun:
         if not (self.repair and exc.reason == Reason.NODE_LOST and exc.node_id and self.repairs < MAX_REPAIRS):
             raise exc
         self.repairs += 1
-        self.lost.add(exc.node_id)
         spec = self._session_open(0, prompt=list(self.tokens))
         try:
             self.route, start, node = await repair_route(
@@ -484,8 +488,11 @@ class GenerationRun:
             req.proof = sealing.LinkKey.parse(key).proof(*sealing.close_parts(req)) if key else ""
             return req
 
+        silent = [n for n in self.opened if n in self.lost]  # may never answer: told, not waited for
         await asyncio.gather(
-            *(self.client.control(n, close(n), timeout=5) for n in self.opened), return_exceptions=True
+            *(self.client.tell(n, close(n)) for n in silent),
+            *(self.client.control(n, close(n), timeout=5) for n in self.opened if n not in self.lost),
+            return_exceptions=True,
         )
         self.opened.clear()
         self.client.admission.released()  # a generation waiting for a slot may try now

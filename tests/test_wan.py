@@ -1,7 +1,7 @@
 """Generations over emulated WAN links (real nats-server, tracker and worker processes, the link
 emulator in its own process): the star at 25 ms per link gives the greedy tokens of 0 ms; a
 worker's link partitioned mid-decode for 2 s (the session goes on, nothing lost or repeated) and
-for 15 s (an explicit failure naming node and phase, in bounded time); the regional supercluster
+for 15 s (an explicit failure naming node and phase, within the README's bound); the regional supercluster
 generates correctly and survives the loss of a region holding no hop of the route; 8 sessions
 started together over 25 ms links all reach their first token within 2 s of each other."""
 
@@ -15,6 +15,8 @@ import pytest
 
 from neuron_bus import messages as M
 from neuron_bus.client import NeuronClient, RouteError
+from neuron_bus.generation import LIVENESS_CHECK_S
+from neuron_bus.timing import heartbeat_loss_s
 from neuron_bus.topology import connect
 from neuron_bus.wan.topologies import RegionSwarm, StarSwarm
 
@@ -23,6 +25,11 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 PROMPT = "The three primary colors are"
 N_TOKENS = 24
 DELAY_MS = 25.0
+# a node lost mid-decode fails its session within the README's bound: the heartbeat silence the client
+# allows a node 4 links away (heartbeat_loss_s), one liveness check, and the repair attempt (capability
+# reports and a coverage map over the client's link), which finds no replica here
+REPAIR_ATTEMPT_S = 1.5
+LOSS_BOUND_S = heartbeat_loss_s(4 * DELAY_MS / 1000) + LIVENESS_CHECK_S + REPAIR_ATTEMPT_S
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +81,7 @@ def test_star_at_25ms_gives_the_tokens_of_0ms(star, reference):
 async def partitioned_generation(swarm: StarSwarm, ids: list[int], victim: str, mode: str, seconds: float, n: int):
     """Greedy generation; after 8 tokens ``victim``'s link is partitioned for ``seconds``.
 
-    Returns (token deltas, error or None, seconds from the partition to the end)."""
+    Returns (token deltas, error or None, seconds from the partition to the generation's end)."""
     deltas: list[M.TokenDelta] = []
     error, cut_at, healer = None, None, None
 
@@ -93,9 +100,10 @@ async def partitioned_generation(swarm: StarSwarm, ids: list[int], victim: str, 
                         healer = asyncio.create_task(heal_later())
         except RouteError as exc:
             error = exc
+        ended = time.monotonic()
     if healer:
         await healer
-    return deltas, error, time.monotonic() - (cut_at or time.monotonic())
+    return deltas, error, ended - (cut_at or ended)
 
 
 @pytest.mark.parametrize("victim", ["worker-0", "worker-1"])
@@ -131,7 +139,9 @@ def test_link_partitioned_15s_fails_explicitly_in_bounded_time_then_recovers(sta
     assert error is not None, "a 15 s partition of the tail's link must end the session"
     assert error.reason == "node_lost" and error.node_id == "worker-1" and error.phase == "decode", error
     assert "worker-1" in str(error)
-    assert after < 15 + 1, after  # the failure came during the partition, not when it ended (heal: +15 s)
+    # within the stated bound from the partition (the last heartbeat came before it): the failure never
+    # waits for the lost node to answer (closing its session there is told, not asked)
+    assert after <= LOSS_BOUND_S, f"node_lost came {after:.1f} s after the partition, bound {LOSS_BOUND_S:.1f} s"
     assert [d.index for d in deltas] == list(range(len(deltas)))
     # healed: the node's held traffic drained, it serves again
     assert asyncio.run(tokens_of(star25.link_url("client"), ids, 8)) == reference(ids, 8)
