@@ -91,14 +91,35 @@ class WorkerMetrics:
         )
 
         self.rejected_by_reason: dict[str, int] = {}  # the same counts, for `neuron-bus sessions`
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, looked up once (the hot path counts every message)."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def reject(self, reason: Reason) -> None:
         self.rejected.labels(reason).inc()
         self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
 
     def seam(self, phase: str, direction: str, nbytes: int) -> None:
-        self.seam_bytes.labels(phase, direction).inc(nbytes)
-        self.seam_messages.labels(phase, direction).inc()
+        self.child(self.seam_bytes, phase, direction).inc(nbytes)
+        self.child(self.seam_messages, phase, direction).inc()
+
+    def step(self, phase: str, stage: str, seconds: float) -> None:
+        """A stage of the processing loop took ``seconds`` for one wave or batch."""
+        self.child(self.step_seconds, phase, stage).inc(seconds)
+
+    def computed(self, phase: str, positions: int, busy: float, inline: bool) -> None:
+        """A backend call of ``positions`` positions took ``busy`` seconds (``inline``: on the event loop)."""
+        if inline:
+            self.child(self.inline_calls, phase).inc()
+        self.child(self.backend_calls, phase).inc()
+        self.child(self.backend_seconds, phase).inc(busy)
+        self.child(self.tokens, phase).inc(positions)
 
     def value(self, name: str, **labels: str) -> float:
         v = self.registry.get_sample_value(name, labels)

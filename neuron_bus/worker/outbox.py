@@ -89,9 +89,8 @@ class Outbox:
             if not self.engine.is_current(s):
                 raise NeuronBusError(Reason.SESSION_GONE, f"session {s.session_id} closed or moved to a repaired route")
 
-        await asyncio.gather(
-            *(publish(self.js, m.subject, m.body, m.headers, on_wait=still_current) for m in out.sends)
-        )
+        sends = [publish(self.js, m.subject, m.body, m.headers, on_wait=still_current) for m in out.sends]
+        await (sends[0] if len(sends) == 1 else asyncio.gather(*sends))
         for m in out.sends:
             if m.seam:
                 self.metrics.seam(m.seam, "out", len(m.body))

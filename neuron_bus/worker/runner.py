@@ -59,11 +59,7 @@ class BackendRunner:
         busy = took[0]
         if phase == "decode":
             self._decode_call_s = busy
-        if inline:
-            self.metrics.inline_calls.labels(phase).inc()
-        self.metrics.backend_calls.labels(phase).inc()
-        self.metrics.backend_seconds.labels(phase).inc(busy)
-        self.metrics.tokens.labels(phase).inc(positions)
+        self.metrics.computed(phase, positions, busy, inline)
         self._window.append((started, phase, positions, busy))
         return result
 

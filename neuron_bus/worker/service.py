@@ -214,23 +214,23 @@ class WorkerService:
 
     async def _process(self, batch: list[Incoming], phase: str) -> None:
         started = time.monotonic()  # a wave's cost to the ring: admission, compute and sending, not the call alone
-        stage = self.metrics.step_seconds
+        step = self.metrics.step
         if batch:
-            stage.labels(phase, "wait").inc(max(0.0, started - min(m.arrived for m in batch)))
+            step(phase, "wait", max(0.0, started - min(m.arrived for m in batch)))
         for m in batch:
             self.metrics.seam(phase, "in", len(m.data))
         steps, rejected = self.engine.admit(batch, phase)
         for r in rejected:
             self.outbox.reject(r)
         admitted = time.monotonic()
-        stage.labels(phase, "admit").inc(admitted - started)
+        step(phase, "admit", admitted - started)
         if not steps:
             return
         positions = sum(st.positions for st in steps)
         alone = len(self.sessions) == 1  # then this is its only step: a batch holds one step per session
         results = await self.runner.compute(lambda: self.engine.compute(steps, phase), phase, positions, alone)
         computed = time.monotonic()
-        stage.labels(phase, "compute").inc(computed - admitted)
+        step(phase, "compute", computed - admitted)
         outcomes = self.engine.advance(steps, results)
         for o in outcomes:
             if isinstance(o, Gone):
@@ -238,10 +238,10 @@ class WorkerService:
             elif isinstance(o, Failed):
                 await self.outbox.failed(o)
         advanced = time.monotonic()
-        stage.labels(phase, "advance").inc(advanced - computed)
+        step(phase, "advance", advanced - computed)
         await self.outbox.send([o for o in outcomes if isinstance(o, Output)])
         done = time.monotonic()
-        stage.labels(phase, "send").inc(done - advanced)
+        step(phase, "send", done - advanced)
         if phase == "decode":
             self.waves.ran([st.session for st in steps], positions, done - started, done)
 
