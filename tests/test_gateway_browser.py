@@ -3,6 +3,8 @@ against a real swarm and gateway process."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.test_gateway import start_swarm
@@ -31,6 +33,7 @@ def test_page_submits_a_prompt_and_shows_streamed_text_and_a_finished_state(swar
     assert "smollm2-135m (llama-cpp, 30 layers): 30 " in coverage  # every layer has a replica (one each here)
     (a, b), (c, d) = (w.layers for w in swarm.workers)  # the work-balanced split: 0–18 | 19–29
     assert f"worker-0 smollm2-135m {a}–{b - 1} yes" in coverage and f"worker-1 smollm2-135m {c}–{d - 1} yes" in coverage
+    assert re.search(r"map built \d+\.\d s ago", coverage), coverage  # how old the tracker's map is
 
     box = browser.find_element(By.ID, "prompt")
     box.send_keys("Write a short poem about the sea.")
