@@ -11,6 +11,7 @@ Modules, one role each:
 - planner.py   route planning: filters, candidates per range, the search, or reasons
 - coverage.py  the coverage map and the rebalancing hint
 - latency.py   which nodes to ping: a bounded sample a round, route candidates first
+- offloop.py   the low-priority threads that build coverage maps and speed references
 - service.py   TrackerService: the NATS subscriptions around all of the above
 
 Each module's docstring gives the cost of its paths; docs/tracker-scale.md the measurements.

@@ -29,11 +29,11 @@ ring.py, coverage.py, latency.py for the parts):
   its nodes' load before its first await so concurrent plans spread. A request no route can
   serve is explained by the pure planner over every node: O(n log n), the rejection path;
 - coverage request: a copy of the index and the node entries on the event loop (O(n) cheap
-  steps), the map built and encoded in a worker thread (O(n log n + output)); built at most
-  every COVERAGE_REUSE times its build time, served from that copy in between, and from an
-  older one (``coverage_freshness``) while the next is built;
+  steps), the map built and encoded in a low-priority worker thread (offloop.py; O(n log n +
+  output)); built at most every COVERAGE_REUSE times its build time, served from that copy in
+  between, and from an older one (``coverage_freshness``) while the next is built;
 - pings: a bounded sample per interval (latency.py), whatever n is; a large group's straggler
-  references are rebuilt in a worker thread, at most every 20 times what they take.
+  references are rebuilt in a low-priority worker thread, at most every 20 times what they take.
 The tracker process (``tune_process``) runs full garbage collections on a timer: at 10,000 nodes
 each one stops the event loop for 100-200 ms.
 
@@ -77,6 +77,7 @@ from neuron_bus.ping import ping_many, server_round_trip
 from neuron_bus.tasks import Background
 from neuron_bus.tracker.coverage import assemble, group_speeds
 from neuron_bus.tracker.latency import PingSampler
+from neuron_bus.tracker.offloop import OffLoop
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.placer import Placer
 from neuron_bus.tracker.planner import Plan, Rejection, plan_indexed, plan_route, to_assignment, to_rejection
@@ -139,6 +140,7 @@ class TrackerService:
         self._in_flight = asyncio.Semaphore(IN_FLIGHT)
         self._coverage: dict[tuple, tuple[float, float, bytes]] = {}  # request kind -> (built at, cost, report)
         self._coverage_builds: dict[tuple, asyncio.Future] = {}
+        self._offloop = OffLoop()  # coverage maps and speed references, at the lowest CPU priority
         self.placement: Lease | None = None
         self.placer: Placer | None = None  # joining --layers auto nodes, and moves (holder of the lease only)
         self.trust = TrackerTrust(nc, params.audit_rate)  # replay sampling, audit flags
@@ -201,6 +203,7 @@ class TrackerService:
             await self.placement.stop()
         await self.trust.stop()
         await self._background.cancel_all()
+        self._offloop.shutdown()
 
     def tune_process(self) -> None:
         """For a tracker process (the CLI calls it): what is alive now (modules, the table read
@@ -305,7 +308,7 @@ class TrackerService:
                 self._full_gc_at = now + FULL_GC_INTERVAL
             for group in self.registry.index.stale_speeds():  # large groups: rebuilt off the event loop
                 members, t0 = list(group.members()), _mono()
-                group.adopt(await asyncio.to_thread(GroupSpeed, members), cost=_mono() - t0)
+                group.adopt(await self._offloop.run(GroupSpeed, members), cost=_mono() - t0)
             await asyncio.sleep(SWEEP_INTERVAL)
 
     async def _ping_loop(self) -> None:
@@ -491,7 +494,7 @@ class TrackerService:
             report.placements = placements
             return messages.encode(report)
 
-        data = await asyncio.to_thread(build)
+        data = await self._offloop.run(build)
         registry.keep_tracked(records)
         self._coverage[key] = (t0, _mono() - t0, data)
         return data
