@@ -15,9 +15,10 @@ over the group's measured nodes, itself included; a node is slow when its time p
 never slow just for its overhead, and a straggler stands out against any peer.
 
 Cost: per-node functions are O(1). GroupSpeed holds a group's references: O(m) to build from m
-nodes, O(m log m) once per distinct range size asked about, then O(log m) per node judged; a
-straggler set over a whole group is O(m log m) (it was O(m^2), comparing every node with every
-peer).
+nodes plus O(m) per distinct range size among them (its members' references, computed up front);
+then O(1) per member judged, and for a node outside the group O(m log m) once per size, O(log m)
+after; a straggler set over a whole group is O(m s) for s sizes (it was O(m^2), comparing every
+node with every peer).
 
 Seams are separable: a seam costs half of each end's round trip (half_seam) unless a neighbour
 latency was measured for that pair, so the planner can put each node's share on the node itself.
@@ -65,9 +66,10 @@ class References(NamedTuple):
 class GroupSpeed:
     """The straggler references of one numerics group, for every range size at once.
 
-    Built from the group's usable nodes in O(m); the reference for a range of k layers costs
-    O(m log m) the first time k is asked for (m: measured nodes) and O(log m) after, also for a
-    node outside the group (its own time joins the peers, as the rule says).
+    Built from the group's usable nodes in O(m) plus O(m) per range size among them (their
+    references, so that a judgement is a lookup); a node outside the group (its own time joins
+    the peers, as the rule says) costs O(m log m) the first time its size is asked for (m:
+    measured nodes) and O(log m) after.
     """
 
     def __init__(self, views: Sequence[NodeView]):
@@ -80,8 +82,19 @@ class GroupSpeed:
         rtts = [v.rtt for v in views if v.rtt is not None]
         self.references = References(median_low(per_layer) if per_layer else None, median_low(rtts) if rtts else None)
         self._allowed: dict[int, np.ndarray] = {}
-        self._member_reference: dict[int, float | None] = {}
         self.members = {v.node_id for v in views}
+        # every member's size up front (O(m) each): a map built in a forked child finds them here
+        self._member_reference: dict[int, float | None] = {
+            k: self._lower_median(k) for k in {v.n_layers for v in views if v.n_layers > 0}
+        }
+
+    def _lower_median(self, k: int) -> float | None:
+        """The lower median of what the measured members would take per token for k layers."""
+        if not len(self._t):
+            return None
+        allowed = self._t * np.maximum(1.0, k / self._layers)
+        j = (len(allowed) - 1) // 2
+        return float(np.partition(allowed, j)[j])
 
     def _sorted_allowed(self, k: int) -> np.ndarray:
         got = self._allowed.get(k)
@@ -96,8 +109,7 @@ class GroupSpeed:
         own = measured_seconds_per_token(view)
         if view.node_id in self.members or own is None or k <= 0:
             if k not in self._member_reference:
-                allowed = self._sorted_allowed(k)
-                self._member_reference[k] = float(allowed[(len(allowed) - 1) // 2]) if len(allowed) else None
+                self._member_reference[k] = self._lower_median(k)
             return self._member_reference[k]
         allowed = self._sorted_allowed(k)
         # the view is not one of the peers: its own time (as is, same size) joins them
@@ -106,12 +118,9 @@ class GroupSpeed:
 
     def slow_threshold(self, n_layers: int, slow_factor: float) -> float | None:
         """Seconds per token beyond which a member of the group with ``n_layers`` is slow."""
-        reference = self._member_reference.get(n_layers)
-        if reference is None and n_layers not in self._member_reference:
-            allowed = self._sorted_allowed(n_layers)
-            reference = self._member_reference[n_layers] = (
-                float(allowed[(len(allowed) - 1) // 2]) if len(allowed) else None
-            )
+        if n_layers not in self._member_reference:
+            self._member_reference[n_layers] = self._lower_median(n_layers)
+        reference = self._member_reference[n_layers]
         return None if reference is None else slow_factor * reference
 
     def is_slow(self, view: NodeView, params: TrackerParams) -> bool:
