@@ -12,12 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from neuron_bus import messages
 from neuron_bus import subjects as S
 from neuron_bus.topology import connect, ensure_topology
-from neuron_bus.tracker import TrackerParams, TrackerService
+from neuron_bus.tracker import TrackerParams, TrackerService, forked
 from neuron_bus.tracker.registry import Registry
 from neuron_bus.tracker.service import coverage_freshness
 from tests.test_planner import report
@@ -294,6 +295,38 @@ async def test_coverage_shows_the_last_heartbeats_memory_pressure(bus, tracker):
     await shows(0.25)
     node.memory_pressure = 0.75  # nothing the route index cares about changes: the node is not refiled
     await shows(0.75)
+
+
+async def test_a_large_swarms_map_is_built_in_a_forked_child_and_equals_the_threads(bus, tracker, monkeypatch):
+    await bus.node("head", 0, 15)
+    await bus.node("fast", 15, 30, tps=50)
+    await bus.node("slow", 15, 30, tps=2)
+    await live(tracker, "head", "fast", "slow")
+    children = []
+    run = forked.run
+
+    async def counted(func, timeout=60.0):
+        children.append(func)
+        return await run(func, timeout)
+
+    monkeypatch.setattr(forked, "run", counted)
+
+    async def build(fork_at: int) -> messages.CoverageReport:
+        tracker.fork_coverage_at = fork_at
+        tracker._coverage.clear()
+        return await ask_coverage(bus.nc)
+
+    def comparable(report: messages.CoverageReport):
+        for n in report.nodes:
+            n.seconds_since_heartbeat = None  # the clock moves between the two builds
+        return msgspec.structs.replace(report, generated_at=0.0)
+
+    in_thread = await build(fork_at=10**9)
+    assert children == []
+    in_child = await build(fork_at=0)
+    assert len(children) == 1
+    assert comparable(in_child) == comparable(in_thread)
+    assert [n.node_id for n in in_child.nodes if n.slow] == ["slow"]
 
 
 def test_a_coverage_map_is_served_fresh_then_stale_while_rebuilt_then_only_after_a_rebuild():

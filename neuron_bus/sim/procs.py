@@ -141,8 +141,9 @@ class Usage:
 
     @staticmethod
     def _cpu(p: psutil.Process) -> float:
+        """Its own CPU and its reaped children's (a tracker's forked coverage builds)."""
         t = p.cpu_times()
-        return t.user + t.system
+        return t.user + t.system + t.children_user + t.children_system
 
     def start(self) -> None:
         self.t0 = time.monotonic()

@@ -1,5 +1,6 @@
-"""Work the tracker does off its event loop (coverage maps, speed references), at the lowest CPU
-priority the operating system gives a thread.
+"""Work the tracker does off its event loop in threads (speed references, and the coverage maps
+of a swarm too small for a forked child: forked.py), at the lowest CPU priority the operating
+system gives a thread.
 
 A coverage map of 10,000 nodes takes 0.1-0.2 s of CPU in a worker thread every time a client's
 poll finds the last one too old. At normal priority that thread takes a core from the event loop
@@ -8,7 +9,8 @@ JetStream answers every route's record: routes asked during a build waited 25-13
 create and stream publish, and they made the simulator's route p99 (docs/tracker-scale.md,
 2026-12-05). At nice 19 the scheduler runs the build in what the loop and its neighbours leave;
 the map is as fresh as before (its build's wall time barely moves), and the loop still takes the
-interpreter lock back every ``sys.getswitchinterval()``.
+interpreter lock back every ``sys.getswitchinterval()``. That lock still cost routes during a
+build (route p99 85-139 ms at 10,000 nodes), so large maps are built in a forked child now.
 
 Linux only: there ``setpriority(PRIO_PROCESS, tid)`` lowers one thread. Elsewhere the threads keep
 the process's priority (lowering it would lower the event loop's too).

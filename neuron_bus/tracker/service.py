@@ -28,10 +28,12 @@ ring.py, coverage.py, latency.py for the parts):
   the log; several are served concurrently (the KV and stream writes overlap), each reserving
   its nodes' load before its first await so concurrent plans spread. A request no route can
   serve is explained by the pure planner over every node: O(n log n), the rejection path;
-- coverage request: a copy of the index and the node entries on the event loop (O(n) cheap
-  steps), the map built and encoded in a low-priority worker thread (offloop.py; O(n log n +
-  output)); built at most every COVERAGE_REUSE times its build time, served from that copy in
-  between, and from an older one (``coverage_freshness``) while the next is built;
+- coverage request: the map built and encoded (O(n log n + output)) in a child forked from the
+  tracker (forked.py: the table as it is, nothing copied on the event loop but page tables, and
+  no interpreter lock shared) from FORK_COVERAGE_AT nodes on, below that from a copy of the index
+  and the node entries (O(n) cheap steps on the loop) in a low-priority thread (offloop.py);
+  built at most every COVERAGE_REUSE times its build time, served from that copy in between, and
+  from an older one (``coverage_freshness``) while the next is built;
 - pings: a bounded sample per interval (latency.py), whatever n is; a large group's straggler
   references are rebuilt in a low-priority worker thread, at most every 20 times what they take.
 The tracker process (``tune_process``) runs full garbage collections on a timer: at 10,000 nodes
@@ -75,13 +77,15 @@ from neuron_bus.messages import (
 )
 from neuron_bus.ping import ping_many, server_round_trip
 from neuron_bus.tasks import Background
+from neuron_bus.tracker import forked
 from neuron_bus.tracker.coverage import assemble, group_speeds
+from neuron_bus.tracker.index import RouteIndex
 from neuron_bus.tracker.latency import PingSampler
 from neuron_bus.tracker.offloop import OffLoop
 from neuron_bus.tracker.params import TrackerParams
 from neuron_bus.tracker.placer import Placer
 from neuron_bus.tracker.planner import Plan, Rejection, plan_indexed, plan_route, to_assignment, to_rejection
-from neuron_bus.tracker.registry import RTT_SAMPLES, Registry
+from neuron_bus.tracker.registry import RTT_SAMPLES, Record, Registry
 from neuron_bus.tracker.speed import GroupSpeed
 from neuron_bus.trust.sampler import TrackerTrust
 from workers.errors import Reason
@@ -95,6 +99,7 @@ IN_FLIGHT = 64  # route requests served at once
 COVERAGE_REUSE = 4.0  # a coverage report is served as is while younger than this many times its build time
 COVERAGE_STALE = 20.0  # ... then at once, while a new one is built, for up to this many times more
 COVERAGE_STALE_EXPIRY = 0.5  # (and at most this share of the expiry more: liveness is that uncertain anyway)
+FORK_COVERAGE_AT = 2000  # nodes in the table from which coverage maps are built in a forked child (forked.py)
 FULL_GC_INTERVAL = 120.0  # seconds between full collections once tune_process ran
 PLACEMENT_LEASE = "placement"
 YIELD_EVERY = 32  # heartbeats handled in a row before other callbacks get a turn
@@ -141,6 +146,7 @@ class TrackerService:
         self._coverage: dict[tuple, tuple[float, float, bytes]] = {}  # request kind -> (built at, cost, report)
         self._coverage_builds: dict[tuple, asyncio.Future] = {}
         self._offloop = OffLoop()  # coverage maps and speed references, at the lowest CPU priority
+        self.fork_coverage_at = FORK_COVERAGE_AT  # large maps: in a child process instead of a thread
         self.placement: Lease | None = None
         self.placer: Placer | None = None  # joining --layers auto nodes, and moves (holder of the lease only)
         self.trust = TrackerTrust(nc, params.audit_rate)  # replay sampling, audit flags
@@ -447,9 +453,9 @@ class TrackerService:
         return self.trust.mark(self.registry.views(_mono()))
 
     async def coverage(self, req: CoverageRequest = CoverageRequest()) -> bytes:
-        """The encoded coverage map for ``req``: a copy of the route index and of the node
-        entries is taken here (O(n) cheap steps), the map is built and encoded in a worker thread
-        meanwhile route requests and heartbeats go on; one build at a time per kind of request.
+        """The encoded coverage map for ``req``, built and encoded in a forked child (a large
+        swarm) or in a worker thread from a copy taken here (a small one), meanwhile route
+        requests and heartbeats go on; one build at a time per kind of request.
         The last map is served as is while younger than COVERAGE_REUSE times its build time, then
         at once while a new one is built (``coverage_freshness``) for COVERAGE_STALE times its
         build time more, at most COVERAGE_STALE_EXPIRY of the expiry more: a large swarm's map
@@ -480,10 +486,9 @@ class TrackerService:
         t0 = _mono()
         registry, flagged, params = self.registry, self.trust.flagged, self.params
         registry.expire(t0)
-        index, records = registry.index.frozen(), registry.records(req.model_preset)
         placements = list(self.placer.decisions) if self.placer is not None else []
 
-        def build() -> bytes:
+        def build(index: RouteIndex, records: list[Record]) -> bytes:
             expiry = params.expiry
             speeds = group_speeds(index, {r.view.numerics for r in records})
             nodes = registry.tracked(records, t0, speeds, flagged) if req.nodes else []
@@ -494,8 +499,13 @@ class TrackerService:
             report.placements = placements
             return messages.encode(report)
 
-        data = await self._offloop.run(build)
-        registry.keep_tracked(records)
+        if len(registry) >= self.fork_coverage_at and forked.available():
+            # the table as it is now, in a child: nothing copied here, no lock shared (forked.py)
+            data = await forked.run(lambda: build(registry.index, registry.records(req.model_preset)))
+        else:
+            index, records = registry.index.frozen(), registry.records(req.model_preset)
+            data = await self._offloop.run(build, index, records)
+            registry.keep_tracked(records)
         self._coverage[key] = (t0, _mono() - t0, data)
         return data
 
