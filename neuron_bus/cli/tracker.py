@@ -34,7 +34,8 @@ async def _serve(url: str, params: TrackerParams, metering: bool = True) -> None
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     nc = await connect(url, name="neuron-bus-tracker", max_reconnect_attempts=-1)
-    service = TrackerService(nc, params)
+    maps_nc = await connect(url, name="neuron-bus-tracker-maps", max_reconnect_attempts=-1)
+    service = TrackerService(nc, params, maps_nc=maps_nc)
     meter = Meter(nc) if metering else None  # metered rewards (trust/metering.py), beside the tracker
     try:
         await service.start()
@@ -47,6 +48,7 @@ async def _serve(url: str, params: TrackerParams, metering: bool = True) -> None
         if meter:
             await meter.stop()
         await service.stop()
+        await maps_nc.drain()
         await nc.drain()
     typer.echo("tracker stopped")
 

@@ -68,6 +68,9 @@ class Probe:
     coverages: list[CoverageResult] = field(default_factory=list)
     sample_every: int = 1  # keep the ground-truth sessions of every k-th request (quality)
     rng: random.Random = field(default_factory=lambda: random.Random(11))
+    # the map watchers' own connection, as an operator's CLI or a web page has: on the route
+    # clients' connection the route answers would queue behind each 7 MB map
+    maps_nc: nats.NATS | None = None
 
     async def route(self, keep: bool = True) -> RouteResult:
         policy: M.RoutePolicy = "private" if self.rng.random() < PRIVATE_SHARE else "public"
@@ -99,7 +102,8 @@ class Probe:
     async def coverage(self) -> CoverageResult:
         sent, t0 = time.time(), time.perf_counter()
         try:
-            msg = await self.nc.request(S.TRACKER_COVERAGE, M.encode(M.CoverageRequest()), timeout=30)
+            nc = self.maps_nc or self.nc
+            msg = await nc.request(S.TRACKER_COVERAGE, M.encode(M.CoverageRequest()), timeout=30)
             report = msgspec.json.decode(msg.data, type=_CoverageSummary)
         except (TimeoutError, nats.errors.Error, msgspec.DecodeError) as exc:
             result = CoverageResult(sent, None, error=f"{type(exc).__name__}: {exc}")

@@ -367,10 +367,12 @@ async def _simulate(opts: Options, workdir: Path) -> dict:
         pool = _start_pool(opts, server.url, spec, t0, workdir)
         ready = json.loads(pool.wait_line(lambda line: line.startswith('{"ready"'), 300))
         ready_at = time.time()
+        maps_nc = await connect(server.url, name="swarm-sim-maps")
         probe = P.Probe(
             nc,
             timeout=opts.timeout,
             sample_every=max(1, int(opts.route_rate * opts.duration / max(opts.quality_samples, 1))),
+            maps_nc=maps_nc,
         )
         await _warm(nc, probe, opts, ready_at)
 
@@ -396,6 +398,7 @@ async def _simulate(opts: Options, workdir: Path) -> dict:
         params = TrackerParams(expiry=opts.expiry)
         result["checks"] = _checks(probe.routes, truth, gone, opts.expiry)
         result["quality"] = _quality(probe.routes, Judge(nodes, params), t0, opts.quality_samples)
+        await maps_nc.close()
         await nc.close()
         return result
     finally:
