@@ -329,6 +329,26 @@ async def test_a_large_swarms_map_is_built_in_a_forked_child_and_equals_the_thre
     assert [n.node_id for n in in_child.nodes if n.slow] == ["slow"]
 
 
+async def test_coverage_maps_are_answered_on_the_maps_connection_and_routes_on_the_other(bus, nats_server):
+    nc = await connect(bus.url, name="t-tracker")
+    maps_nc = await connect(bus.url, name="t-tracker-maps")
+    service = TrackerService(nc, PARAMS, maps_nc=maps_nc)
+    await service.start()
+    try:
+        await bus.node("solo", 0, 30)
+        await live(service, "solo")
+        assert [n.node_id for n in (await ask_coverage(bus.nc)).nodes] == ["solo"]
+        assert hops(await ask_route(bus.nc)) == [("solo", 0, 30)]
+        connz = await asyncio.to_thread(nats_server.monitor, "connz?subs=1")
+        subs = {c.get("name"): set(c.get("subscriptions_list", [])) for c in connz["connections"]}
+        assert S.TRACKER_COVERAGE in subs["t-tracker-maps"] and S.ROUTE_REQUEST not in subs["t-tracker-maps"]
+        assert S.ROUTE_REQUEST in subs["t-tracker"] and S.TRACKER_COVERAGE not in subs["t-tracker"]
+    finally:
+        await service.stop()
+        await maps_nc.close()
+        await nc.close()
+
+
 def test_a_coverage_map_is_served_fresh_then_stale_while_rebuilt_then_only_after_a_rebuild():
     params = TrackerParams(expiry=5.0)
     cost = 0.2  # a 10,000-node map: fresh for 4x its cost, then stale for up to half the expiry more
