@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 
 import pytest
@@ -89,49 +88,44 @@ def test_a_child_over_its_time_is_killed():
     assert time.monotonic() - t0 < 10
 
 
-def test_a_cancelled_build_kills_and_reaps_its_child():
-    pids: list[int] = []
+async def _sleeping_child(act) -> None:
+    """Start a build that sleeps, then ``await act(pid, task)`` with its child's pid."""
+    r, w = os.pipe()
 
     def report_and_sleep() -> bytes:
         os.write(w, str(os.getpid()).encode())
         return _sleeps()
 
-    r, w = os.pipe()
-
-    async def main():
+    try:
         task = asyncio.ensure_future(forked.run(report_and_sleep))
-        pids.append(int(await asyncio.to_thread(os.read, r, 32)))
+        await act(int(await asyncio.to_thread(os.read, r, 32)), task)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_cancelled_build_kills_and_reaps_its_child():
+    pids: list[int] = []
+
+    async def cancel(pid, task):
+        pids.append(pid)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    try:
-        asyncio.run(main())
-    finally:
-        os.close(r)
-        os.close(w)
+    asyncio.run(_sleeping_child(cancel))
     assert _gone(pids[0])  # killed, and reaped: no zombie left (a zombie still answers kill 0)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_a_sigterm_to_the_child_ends_it_whatever_the_parent_handles():
     # the parent's event loop handles SIGTERM (the tracker's CLI does): the child must not inherit that
-    r, w = os.pipe()
-
-    def report_and_sleep() -> bytes:
-        os.write(w, str(os.getpid()).encode())
-        return _sleeps()
-
-    async def main():
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: None)
-        task = asyncio.ensure_future(forked.run(report_and_sleep))
-        pid = int(await asyncio.to_thread(os.read, r, 32))
+    async def terminate(pid, task):
         os.kill(pid, signal.SIGTERM)
         with pytest.raises(forked.ForkedError, match="killed by SIGTERM"):
             await task
 
-    try:
-        asyncio.run(main())
-    finally:
-        os.close(r)
-        os.close(w)
+    async def main():
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, lambda: None)
+        await _sleeping_child(terminate)
+
+    asyncio.run(main())
