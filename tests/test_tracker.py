@@ -305,9 +305,9 @@ async def test_a_large_swarms_map_is_built_in_a_forked_child_and_equals_the_thre
     children = []
     run = forked.run
 
-    async def counted(func, timeout=60.0):
+    async def counted(func, **kw):
         children.append(func)
-        return await run(func, timeout)
+        return await run(func, **kw)
 
     monkeypatch.setattr(forked, "run", counted)
 

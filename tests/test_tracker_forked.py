@@ -5,12 +5,15 @@ as bytes or as a clear error; a cancelled build leaves no process behind."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import time
+import weakref
 
 import pytest
 
+from neuron_bus.gctune import collect_frozen_too
 from neuron_bus.tracker import forked
 
 pytestmark = [
@@ -129,3 +132,25 @@ def test_a_sigterm_to_the_child_ends_it_whatever_the_parent_handles():
         await _sleeping_child(terminate)
 
     asyncio.run(main())
+
+
+class _Cyclic:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_freezing_fork_keeps_old_objects_from_collections_until_collect_frozen_too():
+    gc.unfreeze()
+    try:
+        cyclic = _Cyclic()
+        alive = weakref.ref(cyclic)
+        assert asyncio.run(forked.run(lambda: b"ok", freeze=True)) == b"ok"
+        assert gc.get_freeze_count() > 0
+        del cyclic
+        gc.collect()
+        assert alive() is not None  # frozen at the fork: no collection of the young or the old sees it
+        collect_frozen_too()
+        assert alive() is None  # garbage once the collector looks at it
+        assert gc.get_freeze_count() > 0  # the survivors are frozen again
+    finally:
+        gc.unfreeze()

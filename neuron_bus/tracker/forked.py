@@ -32,6 +32,8 @@ import signal
 import traceback
 from collections.abc import Callable
 
+from neuron_bus.gctune import freeze_before_fork
+
 NICE = 19  # as the threads' (offloop.NICE): the child takes what the event loop and the server leave
 OK, FAILED = b"\x00", b"\x01"
 CHUNK = 1 << 20
@@ -45,9 +47,13 @@ def available() -> bool:
     return hasattr(os, "fork") and os.name == "posix"
 
 
-async def run(func: Callable[[], bytes], timeout: float = 60.0) -> bytes:
-    """``func()`` in a child forked from this process (the state as it is now), awaited."""
+async def run(func: Callable[[], bytes], timeout: float = 60.0, freeze: bool = False) -> bytes:
+    """``func()`` in a child forked from this process (the state as it is now), awaited.
+    ``freeze``: freeze what is alive first (gctune.freeze_before_fork), for a process that
+    collects its frozen objects itself."""
     r, w = os.pipe()
+    if freeze:
+        freeze_before_fork()
     try:
         pid = os.fork()
     except BaseException:

@@ -51,7 +51,6 @@ tracker does not create streams or buckets: ``neuron-bus server`` provisions the
 from __future__ import annotations
 
 import asyncio
-import gc
 import hashlib
 import logging
 import sys
@@ -65,7 +64,7 @@ import nats.js.errors as jserr
 from neuron_bus import messages
 from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage, NeuronBusError
-from neuron_bus.gctune import freeze_old_objects
+from neuron_bus.gctune import collect_frozen_too, freeze_old_objects
 from neuron_bus.lease import Lease, LeaseError
 from neuron_bus.messages import (
     CapabilityReport,
@@ -218,7 +217,8 @@ class TrackerService:
     def tune_process(self) -> None:
         """For a tracker process (the CLI calls it): what is alive now (modules, the table read
         from KV) is frozen out of full collections (gctune.py), which run from the sweep loop every
-        FULL_GC_INTERVAL instead of whenever survivors pile up."""
+        FULL_GC_INTERVAL instead of whenever survivors pile up; each forked map build freezes
+        what is alive then, and those full collections take in the frozen objects too."""
         freeze_old_objects()
         self._full_gc_at = _mono() + FULL_GC_INTERVAL
         # coverage maps and straggler references are built in a worker thread: the event loop
@@ -314,7 +314,7 @@ class TrackerService:
             while self._ours and now - next(iter(self._ours.values())) > self.params.assignment_window:
                 self._ours.popitem(last=False)
             if self._full_gc_at is not None and now >= self._full_gc_at:
-                gc.collect()
+                collect_frozen_too()  # the forks froze what was alive then
                 self._full_gc_at = now + FULL_GC_INTERVAL
             for group in self.registry.index.stale_speeds():  # large groups: rebuilt off the event loop
                 members, t0 = list(group.members()), _mono()
@@ -505,7 +505,10 @@ class TrackerService:
 
         if len(registry) >= self.fork_coverage_at and forked.available():
             # the table as it is now, in a child: nothing copied here, no lock shared (forked.py)
-            data = await forked.run(lambda: build(registry.index, registry.records(req.model_preset)))
+            data = await forked.run(
+                lambda: build(registry.index, registry.records(req.model_preset)),
+                freeze=self._full_gc_at is not None,  # a tracker process: its sweep collects what was frozen
+            )
         else:
             index, records = registry.index.frozen(), registry.records(req.model_preset)
             data = await self._offloop.run(build, index, records)
