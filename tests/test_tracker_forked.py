@@ -17,7 +17,7 @@ from neuron_bus.gctune import collect_frozen_too
 from neuron_bus.tracker import forked
 
 pytestmark = [
-    pytest.mark.skipif(not forked.available(), reason="fork is POSIX"),
+    pytest.mark.skipif(not forked.available(), reason="forked builds are Linux's"),
     pytest.mark.timeout(60),
 ]
 

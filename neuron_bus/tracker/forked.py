@@ -16,7 +16,7 @@ an alarm after ``timeout`` seconds, no exit handlers (``os._exit``). It writes o
 the result (or the error's traceback) to a pipe that the parent drains in a thread, then reaps the
 child; a child that dies, overruns or is cancelled is killed and reaped: never a zombie.
 
-POSIX only (``available``): elsewhere the tracker builds in its threads. The child's CPU is the
+Linux only (``available``): elsewhere the tracker builds in its threads. The child's CPU is the
 tracker's too: it counts in the process's children times once reaped (``resource.RUSAGE_CHILDREN``,
 psutil's ``children_user``), where scripts/swarm_sim reads it.
 """
@@ -29,6 +29,7 @@ import gc
 import math
 import os
 import signal
+import sys
 import traceback
 from collections.abc import Callable
 
@@ -44,7 +45,9 @@ class ForkedError(RuntimeError):
 
 
 def available() -> bool:
-    return hasattr(os, "fork") and os.name == "posix"
+    """Linux: a fork without exec is fragile on macOS (system frameworks; multiprocessing spawns
+    there since Python 3.8) and missing on Windows; there the tracker builds in its threads."""
+    return sys.platform.startswith("linux") and hasattr(os, "fork")
 
 
 async def run(func: Callable[[], bytes], timeout: float = 60.0, freeze: bool = False) -> bytes:
