@@ -67,16 +67,14 @@ async def run(func: Callable[[], bytes], timeout: float = 60.0, freeze: bool = F
         os.close(r)
         _child(func, w, timeout)
     os.close(w)
-    reaped = False
     try:
         data, status = await asyncio.to_thread(_drain, r, pid)
-        reaped = True
-    finally:
-        if not reaped:  # cancelled (the tracker stops) or the drain failed: end the child
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
+    except BaseException:  # cancelled (the tracker stops) or the drain failed: end the child
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        raise
     return _result(data, status, timeout)
 
 

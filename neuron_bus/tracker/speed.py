@@ -88,6 +88,12 @@ class GroupSpeed:
             k: self._lower_median(k) for k in {v.n_layers for v in views if v.n_layers > 0}
         }
 
+    def _member(self, k: int) -> float | None:
+        """A member's reference for k layers (computed up front for the members' own sizes)."""
+        if k not in self._member_reference:
+            self._member_reference[k] = self._lower_median(k)
+        return self._member_reference[k]
+
     def _lower_median(self, k: int) -> float | None:
         """The lower median of what the measured members would take per token for k layers."""
         if not len(self._t):
@@ -108,9 +114,7 @@ class GroupSpeed:
         k = view.n_layers
         own = measured_seconds_per_token(view)
         if view.node_id in self.members or own is None or k <= 0:
-            if k not in self._member_reference:
-                self._member_reference[k] = self._lower_median(k)
-            return self._member_reference[k]
+            return self._member(k)
         allowed = self._sorted_allowed(k)
         # the view is not one of the peers: its own time (as is, same size) joins them
         j, p = len(allowed) // 2, int(np.searchsorted(allowed, own, side="right"))
@@ -118,9 +122,7 @@ class GroupSpeed:
 
     def slow_threshold(self, n_layers: int, slow_factor: float) -> float | None:
         """Seconds per token beyond which a member of the group with ``n_layers`` is slow."""
-        if n_layers not in self._member_reference:
-            self._member_reference[n_layers] = self._lower_median(n_layers)
-        reference = self._member_reference[n_layers]
+        reference = self._member(n_layers)
         return None if reference is None else slow_factor * reference
 
     def is_slow(self, view: NodeView, params: TrackerParams) -> bool:
