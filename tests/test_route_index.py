@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from neuron_bus import messages
-from neuron_bus.tracker import speed
+from neuron_bus.tracker import coverage, speed
 from neuron_bus.tracker.index import RouteIndex, ring_weight
 from neuron_bus.tracker.latency import PingSampler
 from neuron_bus.tracker.params import TrackerParams
@@ -275,6 +275,35 @@ def test_the_registry_knows_in_constant_time_whether_any_node_places_itself():
     reg.apply_heartbeat(heartbeat("c", 0, 30), now=1.0)
     reg.sweep(20.0)  # c: silent for longer than forget_after
     assert reg.self_placed == set() and reg.views(20.0) == []
+
+
+def test_node_entries_are_built_ahead_for_a_forked_map_and_again_only_for_nodes_that_changed():
+    """A map built in a forked child finds the entries built here (registry.build_tracked);
+    a node refiled by a heartbeat has its entry built again, a forgotten one is dropped."""
+    reg = Registry(TrackerParams(expiry=5.0, forget_after=10.0))
+    for name in ("a", "b", "c"):
+        reg.apply_report(report(name, 0, 30), now=0.0)
+        reg.apply_heartbeat(heartbeat(name, 0, 30, decode_tokens_per_second=50.0), now=1.0)
+    assert all(r.tracked is None for r in reg.records())
+    assert reg.build_tracked(limit=2) == 1  # bounded: one left for the next map (or the child)
+    assert reg.build_tracked(limit=2) == 0
+    built = {r.node_id: r.tracked for r in reg.records()}
+    assert all(t is not None for t in built.values())
+    fresh = [coverage.tracked_node(r.view, False) for r in reg.records()]
+    assert list(built.values()) == fresh  # what the child would have built itself
+    reg.apply_heartbeat(heartbeat("a", 0, 30, seq=2, decode_tokens_per_second=50.0), now=2.0)  # nothing new
+    reg.apply_heartbeat(heartbeat("b", 0, 30, seq=2, decode_tokens_per_second=50.0, sessions_active=1), now=2.0)
+    after = {r.node_id: r.tracked for r in reg.records()}
+    assert after["a"] is built["a"] and after["b"] is None and after["c"] is built["c"]
+    assert reg.build_tracked(limit=5) == 0
+    assert next(r.tracked for r in reg.records() if r.node_id == "b").sessions_active == 1
+    reg.apply_heartbeat(heartbeat("b", 0, 30, seq=3, decode_tokens_per_second=50.0), now=9.0)
+    reg.expire(7.0)  # a and c expire (last heard at 2.0 and 1.0): refiled, their entries to build again
+    reg.sweep(15.0)  # ... then forgotten; b expires (last heard at 9.0)
+    assert [r.node_id for r in reg.records()] == ["b"]
+    assert reg.build_tracked(limit=0) == 1  # b's entry only: the forgotten nodes' are dropped
+    assert reg.build_tracked(limit=5) == 0
+    assert next(r.tracked for r in reg.records()).alive is False
 
 
 @pytest.mark.parametrize(

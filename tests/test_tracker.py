@@ -321,6 +321,11 @@ async def test_a_large_swarms_map_is_built_in_a_forked_child_and_equals_the_thre
             n.seconds_since_heartbeat = None  # the clock moves between the two builds
         return msgspec.structs.replace(report, generated_at=0.0)
 
+    async def entries_built() -> bool:  # by the sweep, on the loop, before any map: a child finds them
+        registry = tracker.registry
+        return registry.build_tracked(limit=0) == 0 and all(r.tracked is not None for r in registry.records())
+
+    await eventually(entries_built)
     in_thread = await build(fork_at=10**9)
     assert children == []
     in_child = await build(fork_at=0)

@@ -25,7 +25,7 @@ The output itself is O(n + L x replicas per layer): the tracker builds it off it
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -50,11 +50,12 @@ def coverage_report(
     """The map of ``views`` (``nodes``/``replicas`` false: without the node list / replica ids)."""
     chosen = [v for v in views if model_preset is None or v.caps.model_preset == model_preset]
     index = RouteIndex.of(chosen, params)
-    speeds = group_speeds(index, {v.numerics for v in chosen})
+    slow = stragglers(chosen, group_speeds(index, {v.numerics for v in chosen}), params)
     return assemble(
         index,
         [(v, v.alive) for v in chosen],
-        lambda: tracked_nodes(chosen, speeds, params),
+        slow,
+        lambda: tracked_nodes(chosen, slow),
         now,
         params,
         model_preset,
@@ -76,9 +77,16 @@ def group_speeds(index: RouteIndex, numerics: Iterable[Numerics]) -> dict[Numeri
     return out
 
 
+def stragglers(views: Iterable[NodeView], speeds: dict[Numerics, speed.GroupSpeed], params: TrackerParams) -> set[str]:
+    """The slow nodes among ``views``, each judged once for the whole map: its node entry and the
+    rows of its layers read the same verdict (O(1) a node, speed.GroupSpeed)."""
+    return {v.node_id for v in views if speeds[v.numerics].is_slow(v, params)}
+
+
 def assemble(
     index: RouteIndex,
     everyone: Iterable[tuple[NodeView, bool]],
+    slow: Container[str],
     tracked: Callable[[], list[TrackedNode]],
     now: float,
     params: TrackerParams,
@@ -87,7 +95,7 @@ def assemble(
     replicas: bool,
 ) -> CoverageReport:
     """The report from the index (usable nodes, by group and range), every node known with
-    whether it is alive, and the node list (built only if ``nodes``)."""
+    whether it is alive, the stragglers among them, and the node list (built only if ``nodes``)."""
     live: dict[Numerics, list[str]] = defaultdict(list)
     dead: dict[Numerics, list[str]] = defaultdict(list)
     kinds: dict[Numerics, list[str]] = {}
@@ -105,7 +113,7 @@ def assemble(
         min_capacity_tokens_per_second=params.min_capacity_tokens_per_second,
         slow_factor=params.slow_factor,
         models=[
-            model_coverage(k, index.groups.get(k), sorted(live[k]), sorted(dead[k]), kinds[k], params, replicas)
+            model_coverage(k, index.groups.get(k), sorted(live[k]), sorted(dead[k]), kinds[k], slow, params, replicas)
             for k in sorted(kinds)
         ],
         nodes=tracked() if nodes else [],
@@ -118,12 +126,13 @@ def model_coverage(
     nodes_live: list[str],
     nodes_expired: list[str],
     kinds: list[str],
+    slow: Container[str],
     params: TrackerParams,
     replicas: bool = True,
 ) -> ModelCoverage:
     n = numerics.n_layers_total
     classes = dict(group.classes) if group is not None else {}
-    sums = {r: _RangeSums.of(c, group.speed(), params) for r, c in classes.items()} if group is not None else {}
+    sums = {r: _RangeSums.of(c, slow) for r, c in classes.items()}
     layer_rows = [
         row
         for a, b, serving in segments(classes, n)
@@ -163,12 +172,12 @@ class _RangeSums:
     unmeasured: int
 
     @classmethod
-    def of(cls, c: RangeClass, group_speed: speed.GroupSpeed, params: TrackerParams) -> _RangeSums:
+    def of(cls, c: RangeClass, slow: Container[str]) -> _RangeSums:
         views = [e.view for e in c.nodes.values()]
         return cls(
             replicas=len(views),
             capacity=sum(v.decode_tps or 0.0 for v in views),
-            slow=sum(group_speed.is_slow(v, params) for v in views),
+            slow=sum(node_id in slow for node_id in c.nodes),
             unmeasured=sum(not v.decode_tps for v in views),
         )
 
@@ -250,11 +259,9 @@ def rebalance_hint(
     return RebalanceHint(layer_start=start, layer_end=end, reason=why)
 
 
-def tracked_nodes(
-    views: Sequence[NodeView], speeds: dict[Numerics, speed.GroupSpeed], params: TrackerParams
-) -> list[TrackedNode]:
+def tracked_nodes(views: Sequence[NodeView], slow: Container[str]) -> list[TrackedNode]:
     return [
-        tracked_node(v, speeds[v.numerics].is_slow(v, params))
+        tracked_node(v, v.node_id in slow)
         for v in sorted(views, key=lambda v: (v.caps.model_preset, v.layer_start, v.node_id))
     ]
 

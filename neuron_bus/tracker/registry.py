@@ -79,6 +79,7 @@ class Registry:
         self._joined: list[str] = []
         self._expired: list[str] = []
         self._order: list[tuple[str, int, str]] | None = None  # tracked_order's, None after a change
+        self._untracked: set[str] = set()  # nodes whose coverage-map entry is to be built again
         self.late_heartbeats = 0  # dropped: sent before the heartbeat already applied
         self.self_placed: set[str] = set()  # nodes that report ``placement: auto`` and a fit: the placer's
 
@@ -152,6 +153,7 @@ class Registry:
             self._order = None  # a new node, or a new report: its place in the map may move
         entry.view = self._view(node_id, entry, now)
         entry.tracked = None
+        self._untracked.add(node_id)
         self.index.update(entry.view)
 
     # -- queries ------------------------------------------------------------------------------
@@ -205,6 +207,7 @@ class Registry:
                 break
             del self._silent[node_id]
             self._nodes.pop(node_id, None)
+            self._untracked.discard(node_id)
             self.self_placed.discard(node_id)
             self._order = None
             self.index.discard(node_id)
@@ -233,21 +236,20 @@ class Registry:
         return out
 
     def tracked(
-        self, records: Iterable[Record], now: float, speeds: dict, flagged: Container[str]
+        self, records: Iterable[Record], now: float, slow: Container[str], flagged: Container[str]
     ) -> list[TrackedNode]:
         """The coverage map's node entries as of ``now`` (pure: safe in another thread). Each
         entry is built once per change of its node (``keep_tracked`` stores it); only the fields
-        that depend on the clock, the flags, the group's references and the last heartbeat's
-        memory pressure (no reason to refile a node) are set here: O(1) a node."""
+        that depend on the clock, the flags, the map's stragglers (``slow``) and the last
+        heartbeat's memory pressure (no reason to refile a node) are set here: O(1) a node."""
         out = []
-        params = self.params
-        expiry = params.expiry
+        expiry = self.params.expiry
         for r in records:
             v = r.view
             t = r.tracked
             if t is None:
                 t = r.tracked = tracked_node(v, False)
-            t.slow = speeds[v.numerics].is_slow(v, params)
+            t.slow = r.node_id in slow
             alive = r.last_seen is not None and now - r.last_seen <= expiry
             t.alive = alive
             t.status = v.status if alive else "expired"
@@ -264,6 +266,20 @@ class Registry:
             e = self._nodes.get(r.node_id)
             if e is not None and e.tracked is None and e.view is r.view and r.tracked is not None:
                 e.tracked = r.tracked
+                self._untracked.discard(r.node_id)
+
+    def build_tracked(self, limit: int) -> int:
+        """Build the node entries of up to ``limit`` nodes that changed since their last one (the
+        tracker's sweep does, a few hundred at a time): a map built in a forked child (forked.py)
+        finds them, where entries it built itself would die with it. O(limit); returns how many
+        are left to build."""
+        untracked, nodes = self._untracked, self._nodes
+        while untracked and limit > 0:
+            e = nodes.get(untracked.pop())
+            if e is not None and e.view is not None and e.tracked is None:
+                e.tracked = tracked_node(e.view, False)
+                limit -= 1
+        return len(untracked)
 
     def views(self, now: float) -> list[NodeView]:
         """A snapshot of every node with a capability report, for the planner and coverage."""

@@ -31,7 +31,10 @@ ring.py, coverage.py, latency.py for the parts):
 - coverage request: the map built and encoded (O(n log n + output)) in a child forked from the
   tracker (forked.py: the table as it is, nothing copied on the event loop but page tables, and
   no interpreter lock shared) from FORK_COVERAGE_AT nodes on, below that from a copy of the index
-  and the node entries (O(n) cheap steps on the loop) in a low-priority thread (offloop.py);
+  and the node entries (O(n) cheap steps on the loop) in a low-priority thread (offloop.py); the
+  node entries of nodes that changed are built by the sweep (TRACKED_PER_SWEEP at a time, O(1)
+  each), so a child builds only those of nodes that changed since the last sweep; each node is
+  judged slow once a map (coverage.stragglers);
   built at most every COVERAGE_REUSE times its build time, served from that copy in between, and
   from an older one (``coverage_freshness``) while the next is built;
 - pings: a bounded sample per interval (latency.py), whatever n is; a large group's straggler
@@ -77,7 +80,7 @@ from neuron_bus.messages import (
 from neuron_bus.ping import ping_many, server_round_trip
 from neuron_bus.tasks import Background
 from neuron_bus.tracker import forked
-from neuron_bus.tracker.coverage import assemble, group_speeds
+from neuron_bus.tracker.coverage import assemble, group_speeds, stragglers
 from neuron_bus.tracker.index import RouteIndex
 from neuron_bus.tracker.latency import PingSampler
 from neuron_bus.tracker.offloop import OffLoop
@@ -98,6 +101,7 @@ IN_FLIGHT = 64  # route requests served at once
 COVERAGE_REUSE = 4.0  # a coverage report is served as is while younger than this many times its build time
 COVERAGE_STALE = 20.0  # ... then at once, while a new one is built, for up to this many times more
 COVERAGE_STALE_EXPIRY = 0.5  # (and at most this share of the expiry more: liveness is that uncertain anyway)
+TRACKED_PER_SWEEP = 250  # coverage-map node entries built per sweep, of nodes that changed (3-7 us each)
 FORK_COVERAGE_AT = 2000  # nodes in the table from which coverage maps are built in a forked child (forked.py)
 FULL_GC_INTERVAL = 120.0  # seconds between full collections once tune_process ran
 PLACEMENT_LEASE = "placement"
@@ -307,6 +311,7 @@ class TrackerService:
         while True:
             now = _mono()
             joined, expired = self.registry.sweep(now)
+            self.registry.build_tracked(TRACKED_PER_SWEEP)  # for maps built in forked children
             for node_id in joined:
                 log.info("node %s is alive", node_id)
             for node_id in expired:
@@ -494,11 +499,12 @@ class TrackerService:
 
         def build(index: RouteIndex, records: list[Record]) -> bytes:
             expiry = params.expiry
-            speeds = group_speeds(index, {r.view.numerics for r in records})
-            nodes = registry.tracked(records, t0, speeds, flagged) if req.nodes else []
+            views = [r.view for r in records]
+            slow = stragglers(views, group_speeds(index, {v.numerics for v in views}), params)
+            nodes = registry.tracked(records, t0, slow, flagged) if req.nodes else []
             everyone = [(r.view, r.last_seen is not None and t0 - r.last_seen <= expiry) for r in records]
             report = assemble(
-                index, everyone, lambda: nodes, time.time(), params, req.model_preset, req.nodes, req.replicas
+                index, everyone, slow, lambda: nodes, time.time(), params, req.model_preset, req.nodes, req.replicas
             )
             report.placements = placements
             return messages.encode(report)
