@@ -8,17 +8,22 @@
   dead tracker once more, with the same request id), and no route it assigned is lost.
 - Trackers sharing the requests count each other's assignments (spreading works across them),
   a request asked twice gets the same route, and one of them holds the placement lease.
+- The simulator's CPU figure of a process includes its reaped children (a tracker's forked map
+  builds), and shows their part apart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import pytest
 
 from neuron_bus import messages
 from neuron_bus import subjects as S
+from neuron_bus.sim.procs import Usage
 from neuron_bus.sim.run import Options, simulate
 from neuron_bus.topology import connect
 from neuron_bus.tracker import TrackerParams, TrackerService
@@ -53,6 +58,37 @@ def test_500_simulated_nodes_with_churn_get_complete_routes_never_through_the_de
     lat = result["latency_phase"]
     assert lat["coverage_ms"]["n"] >= 3 and not lat["coverage_errors"], lat
     assert result["quality"]["n"] > 0 and result["quality"]["search_on_truth"]["max_ratio"] <= 1.0 + 1e-9
+
+
+FORKS_AND_REAPS = """
+import os, sys, time
+sys.stdin.readline()
+pid = os.fork()
+if pid == 0:
+    t = time.process_time()
+    while time.process_time() - t < 0.3:
+        pass
+    os._exit(0)
+os.waitpid(pid, 0)
+print("reaped", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_simulator_counts_a_trackers_reaped_children_in_its_cpu_and_apart():
+    """A tracker's forked map builds are its CPU too (swarm_sim's cpu_share), shown apart."""
+    proc = subprocess.Popen([sys.executable, "-c", FORKS_AND_REAPS], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        usage = Usage({"p": proc.pid})
+        usage.start()
+        proc.stdin.write(b"fork\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline() == b"reaped\n"
+        got = usage.stop()["p"]
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert got["children_cpu_share"] > 0 and got["cpu_share"] >= got["children_cpu_share"], got
 
 
 @pytest.mark.slow

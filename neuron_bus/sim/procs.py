@@ -135,15 +135,15 @@ class Usage:
 
     def __init__(self, pids: dict[str, int]):
         self.procs = {name: psutil.Process(pid) for name, pid in pids.items()}
-        self.cpu0: dict[str, float] = {}
+        self.cpu0: dict[str, tuple[float, float]] = {}
         self.peak_rss: dict[str, int] = dict.fromkeys(self.procs, 0)
         self.t0 = 0.0
 
     @staticmethod
-    def _cpu(p: psutil.Process) -> float:
+    def _cpu(p: psutil.Process) -> tuple[float, float]:
         """Its own CPU and its reaped children's (a tracker's forked coverage builds)."""
         t = p.cpu_times()
-        return t.user + t.system + t.children_user + t.children_system
+        return t.user + t.system, t.children_user + t.children_system
 
     def start(self) -> None:
         self.t0 = time.monotonic()
@@ -158,13 +158,18 @@ class Usage:
                 pass
 
     def stop(self) -> dict[str, dict[str, float]]:
-        """name -> {"cpu_share": CPU seconds per second (1.0 = one core), "rss_mb": peak}."""
+        """name -> {"cpu_share": CPU seconds per second (1.0 = one core), its children included,
+        "children_cpu_share": the children's part, "rss_mb": peak}."""
         elapsed = max(time.monotonic() - self.t0, 1e-6)
         out = {}
         for name, p in self.procs.items():
             try:
-                cpu = self._cpu(p) - self.cpu0[name]
+                own, children = (now - then for now, then in zip(self._cpu(p), self.cpu0[name]))
             except psutil.Error:
-                cpu = float("nan")  # it died (killed on purpose)
-            out[name] = {"cpu_share": round(cpu / elapsed, 4), "rss_mb": round(self.peak_rss[name] / 2**20, 1)}
+                own = children = float("nan")  # it died (killed on purpose)
+            out[name] = {
+                "cpu_share": round((own + children) / elapsed, 4),
+                "children_cpu_share": round(children / elapsed, 4),
+                "rss_mb": round(self.peak_rss[name] / 2**20, 1),
+            }
         return out

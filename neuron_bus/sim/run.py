@@ -417,6 +417,12 @@ def simulate(opts: Options, workdir: Path | None = None) -> dict:
         return asyncio.run(_simulate(opts, Path(tmp)))
 
 
+def _children(usage: dict) -> str:
+    """`` (children 0.07)`` when the process's reaped children took CPU (forked map builds)."""
+    share = usage.get("children_cpu_share", 0.0)
+    return f" (children {share:.2f})" if share else ""
+
+
 def summary(result: dict) -> str:
     lat = result["latency_phase"]
     lines = [
@@ -433,7 +439,8 @@ def summary(result: dict) -> str:
     for phase in ("idle", "latency_phase"):
         u = result[phase]["usage"]
         lines.append(
-            f"{phase}: " + ", ".join(f"{k} cpu {v['cpu_share']:.2f} rss {v['rss_mb']} MB" for k, v in u.items())
+            f"{phase}: "
+            + ", ".join(f"{k} cpu {v['cpu_share']:.2f}{_children(v)} rss {v['rss_mb']} MB" for k, v in u.items())
         )
         lines.append(f"{phase} bus: {result[phase]['bus']}")
     lines.append(f"quality {result['quality']}")
