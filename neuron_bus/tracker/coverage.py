@@ -50,7 +50,7 @@ def coverage_report(
     """The map of ``views`` (``nodes``/``replicas`` false: without the node list / replica ids)."""
     chosen = [v for v in views if model_preset is None or v.caps.model_preset == model_preset]
     index = RouteIndex.of(chosen, params)
-    slow = stragglers(chosen, group_speeds(index, {v.numerics for v in chosen}), params)
+    slow = stragglers(index, chosen, params)
     return assemble(
         index,
         [(v, v.alive) for v in chosen],
@@ -77,9 +77,11 @@ def group_speeds(index: RouteIndex, numerics: Iterable[Numerics]) -> dict[Numeri
     return out
 
 
-def stragglers(views: Iterable[NodeView], speeds: dict[Numerics, speed.GroupSpeed], params: TrackerParams) -> set[str]:
-    """The slow nodes among ``views``, each judged once for the whole map: its node entry and the
-    rows of its layers read the same verdict (O(1) a node, speed.GroupSpeed)."""
+def stragglers(index: RouteIndex, views: Sequence[NodeView], params: TrackerParams) -> set[str]:
+    """The slow nodes among ``views``, each judged once for the whole map against its group's
+    references in ``index``: its node entry and the rows of its layers read the same verdict
+    (O(1) a node, speed.GroupSpeed)."""
+    speeds = group_speeds(index, {v.numerics for v in views})
     return {v.node_id for v in views if speeds[v.numerics].is_slow(v, params)}
 
 

@@ -239,16 +239,15 @@ class Registry:
         self, records: Iterable[Record], now: float, slow: Container[str], flagged: Container[str]
     ) -> list[TrackedNode]:
         """The coverage map's node entries as of ``now`` (pure: safe in another thread). Each
-        entry is built once per change of its node (``keep_tracked`` stores it); only the fields
+        entry is built once per change of its node (``build_tracked``, the sweep; here only for
+        a node it has not reached yet); only the fields
         that depend on the clock, the flags, the map's stragglers (``slow``) and the last
         heartbeat's memory pressure (no reason to refile a node) are set here: O(1) a node."""
         out = []
         expiry = self.params.expiry
         for r in records:
             v = r.view
-            t = r.tracked
-            if t is None:
-                t = r.tracked = tracked_node(v, False)
+            t = r.tracked if r.tracked is not None else tracked_node(v, False)
             t.slow = r.node_id in slow
             alive = r.last_seen is not None and now - r.last_seen <= expiry
             t.alive = alive
@@ -260,19 +259,11 @@ class Registry:
             out.append(t)
         return out
 
-    def keep_tracked(self, records: Iterable[Record]) -> None:
-        """Store the node entries built from ``records`` whose node has not changed since."""
-        for r in records:
-            e = self._nodes.get(r.node_id)
-            if e is not None and e.tracked is None and e.view is r.view and r.tracked is not None:
-                e.tracked = r.tracked
-                self._untracked.discard(r.node_id)
-
     def build_tracked(self, limit: int) -> int:
         """Build the node entries of up to ``limit`` nodes that changed since their last one (the
-        tracker's sweep does, a few hundred at a time): a map built in a forked child (forked.py)
-        finds them, where entries it built itself would die with it. O(limit); returns how many
-        are left to build."""
+        tracker's sweep does, a few hundred at a time): a map built in a thread or a forked child
+        (forked.py) finds them, where entries a child built would die with it. O(limit); returns
+        how many are left to build."""
         untracked, nodes = self._untracked, self._nodes
         while untracked and limit > 0:
             e = nodes.get(untracked.pop())

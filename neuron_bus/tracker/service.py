@@ -80,7 +80,7 @@ from neuron_bus.messages import (
 from neuron_bus.ping import ping_many, server_round_trip
 from neuron_bus.tasks import Background
 from neuron_bus.tracker import forked
-from neuron_bus.tracker.coverage import assemble, group_speeds, stragglers
+from neuron_bus.tracker.coverage import assemble, stragglers
 from neuron_bus.tracker.index import RouteIndex
 from neuron_bus.tracker.latency import PingSampler
 from neuron_bus.tracker.offloop import OffLoop
@@ -499,8 +499,7 @@ class TrackerService:
 
         def build(index: RouteIndex, records: list[Record]) -> bytes:
             expiry = params.expiry
-            views = [r.view for r in records]
-            slow = stragglers(views, group_speeds(index, {v.numerics for v in views}), params)
+            slow = stragglers(index, [r.view for r in records], params)
             nodes = registry.tracked(records, t0, slow, flagged) if req.nodes else []
             everyone = [(r.view, r.last_seen is not None and t0 - r.last_seen <= expiry) for r in records]
             report = assemble(
@@ -518,7 +517,6 @@ class TrackerService:
         else:
             index, records = registry.index.frozen(), registry.records(req.model_preset)
             data = await self._offloop.run(build, index, records)
-            registry.keep_tracked(records)
         self._coverage[key] = (t0, _mono() - t0, data)
         return data
 
