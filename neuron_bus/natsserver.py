@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -69,7 +70,38 @@ def check_ports_free(host: str, ports: list[tuple[str, int, str]]) -> None:
         raise ServerError(Reason.PORT_IN_USE, f"port in use on {host}: " + "; ".join(taken))
 
 
+FREE_PORT_FLOOR = 10000  # free_port never hands out ports below this
+_handed_out: set[int] = set()  # ports free_port gave this process (never given twice)
+_handed_lock = threading.Lock()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the source ports of outgoing connections (Linux; the IANA range elsewhere)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on, for a server about to start.
+
+    It lies below the kernel's ephemeral range: a port the kernel picks (``bind(0)``) is one an
+    outgoing connection of any process can take as its source port between this check and the
+    server's bind, which made a test cluster's nats-server fail with "address already in use".
+    A port is never handed out twice by one process; another process picking the same port at the
+    same moment remains possible but unlikely (one in about twenty thousand)."""
+    lo, hi = ephemeral_range()
+    # below the range; a kernel whose range starts low: above it
+    bottom, top = (FREE_PORT_FLOOR, lo) if lo - FREE_PORT_FLOOR >= 2000 else (hi + 1, 65536)
+    with _handed_lock:
+        for _ in range(200 if top - bottom >= 2000 else 0):
+            port = random.randrange(bottom, top)
+            if port not in _handed_out and not port_taken(host, port):
+                _handed_out.add(port)
+                return port
+    # no such range, or nothing free in it: the kernel picks
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -203,10 +235,9 @@ class NatsServer:
         last = "no answer"
         while time.monotonic() < deadline:
             if self.proc and self.proc.poll() is not None:
-                raise ServerError(
-                    Reason.EXITED,
-                    f"nats-server exited with code {self.proc.returncode}: {self.log_tail()}",
-                )
+                tail = self.log_tail()
+                reason = Reason.PORT_IN_USE if "address already in use" in tail else Reason.EXITED
+                raise ServerError(reason, f"nats-server exited with code {self.proc.returncode}: {tail}")
             try:
                 with urllib.request.urlopen(url, timeout=1) as resp:
                     if resp.status == 200:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from neuron_bus import natsserver
 from neuron_bus import subjects as S
-from neuron_bus.natsserver import NatsServer, ServerConfig, free_port
+from neuron_bus.errors import ServerError
+from neuron_bus.natsserver import NatsServer, ServerConfig, ephemeral_range, free_port
 from neuron_bus.topology import connect, ensure_topology, topology
+from workers.errors import Reason
 
 BIN = str(Path(sys.executable).parent / "neuron-bus")
 
@@ -115,6 +119,35 @@ async def test_topology_is_idempotent(nats_server):
         )
     finally:
         await nc.close()
+
+
+def test_free_ports_lie_outside_the_kernels_source_port_range_and_are_never_handed_out_twice():
+    """A port from bind(0) is one any outgoing connection may take before the server binds it (a
+    CI run lost a test cluster so); free_port's ports are not."""
+    lo, hi = ephemeral_range()
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    assert all(not lo <= p <= hi for p in ports)
+    for p in ports[:20]:  # each one can be listened on
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+            s.listen()
+
+
+def test_a_port_taken_after_the_check_is_named_as_taken(tmp_path, monkeypatch):
+    """The race free_port narrows: a port taken between the check and the server's own bind. The
+    server's failure then says the port is in use, not merely that it exited."""
+    monkeypatch.setattr(natsserver, "check_ports_free", lambda host, ports: None)  # the check passed, then ...
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()  # ... someone took the monitoring port
+        busy = holder.getsockname()[1]
+        srv = NatsServer(ServerConfig(store_dir=tmp_path / "s", port=free_port(), http_port=busy))
+        with pytest.raises(ServerError) as err:
+            srv.start(timeout=20)
+    assert err.value.reason == Reason.PORT_IN_USE
+    assert f"127.0.0.1:{busy}" in str(err.value) and "address already in use" in str(err.value)
+    srv.stop()
 
 
 def test_nats_server_stop_by_pid(tmp_path):
