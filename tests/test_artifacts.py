@@ -405,3 +405,33 @@ def test_cli_manifest_for_a_different_file(tiny_gguf, tmp_path):
     assert_one_line_error(
         run_cli("verify", tiny_gguf, "--manifest", tmp_path / "junk.json"), "not an artifact manifest"
     )
+
+
+@pytest.mark.parametrize("which", ["tiny", "smollm2-135m", "gemma3-270m"])
+def test_the_fast_reader_reads_what_ggufs_own_reader_reads(which, tmp_path):
+    """workers.gguf_reader parses through a plain view of the mapping (several times faster on a
+    large vocabulary): every field's parts, indices and types, and every tensor, equal the stock
+    reader's."""
+    from neuron_bus import models
+    from workers.gguf_reader import GGUFReader
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf", TINY) if which == "tiny" else models.resolve(which)
+    stock, fast = gguf.GGUFReader(path), GGUFReader(path)
+    assert list(fast.fields) == list(stock.fields) and len(fast.fields) > 10
+    for name, want in stock.fields.items():
+        got = fast.fields[name]
+        assert (got.offset, got.name, got.data, got.types) == (want.offset, want.name, want.data, want.types), name
+        assert [(p.dtype, p.tobytes()) for p in got.parts] == [(p.dtype, p.tobytes()) for p in want.parts], name
+        assert got.contents() == want.contents(), name
+    assert len(fast.tensors) == len(stock.tensors) > 0
+    for got, want in zip(fast.tensors, stock.tensors):
+        assert (got.name, got.tensor_type, list(got.shape), got.data_offset, got.n_bytes) == (
+            want.name,
+            want.tensor_type,
+            list(want.shape),
+            want.data_offset,
+            want.n_bytes,
+        )
+        assert got.data.dtype == want.data.dtype and got.data.shape == want.data.shape
+        assert got.data.ravel()[:1024].tobytes() == want.data.ravel()[:1024].tobytes()
+        assert not got.data.flags.writeable  # a view of the read-only mapping, as the stock reader's

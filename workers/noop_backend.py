@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 
+from workers.gguf_reader import GGUFReader
 from workers.protocol import Backend, Capability
 
 
@@ -33,7 +33,7 @@ class NoopBackend(Backend):
     @classmethod
     def for_model(cls, path: str | Path, layer_start: int | None, layer_end: int | None) -> NoopBackend:
         """The shapes of the GGUF at ``path`` (a whole model), layers [layer_start, layer_end)."""
-        meta = gguf.GGUFReader(path).fields
+        meta = GGUFReader(path).fields
         arch = meta["general.architecture"].contents()
         n_layers = int(meta[f"{arch}.block_count"].contents())
         return cls(

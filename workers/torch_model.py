@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.errors import BadInput, UnsupportedModel
+from workers.gguf_reader import GGUFReader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -292,7 +293,7 @@ def _dequantize(t: gguf.ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
 @functools.lru_cache(maxsize=4)
 def _reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
     """Parsing the metadata (the vocabulary) takes seconds: reuse the reader for the same file."""
-    return gguf.GGUFReader(path)
+    return GGUFReader(path)
 
 
 def open_gguf(path: str | Path) -> gguf.GGUFReader:

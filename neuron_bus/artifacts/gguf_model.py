@@ -14,6 +14,7 @@ import gguf
 
 from neuron_bus.errors import NeuronBusError
 from workers.errors import Reason
+from workers.gguf_reader import GGUFReader
 
 META_PREFIX = "neuron_bus."  # our own metadata keys (llama.cpp's gguf-split owns "split.*")
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
@@ -119,7 +120,7 @@ class GGUFModel:
         if magic != b"GGUF":
             raise ArtifactError(Reason.NOT_GGUF, f"{path}: not a GGUF file (magic {magic!r})")
         try:
-            reader = gguf.GGUFReader(path)
+            reader = GGUFReader(path)
         except Exception as exc:  # the reader raises ValueError, IndexError, struct errors...
             raise ArtifactError(Reason.CORRUPT, f"{path}: truncated or corrupt GGUF ({exc})") from None
         size = path.stat().st_size
