@@ -38,17 +38,19 @@ def open_range(
     *,
     threads: int = 1,
     cache_dir: str | Path | None = None,
+    model: GGUFModel | None = None,
     **opts,
 ) -> Backend:
     """A backend of ``kind`` serving layers [layer_start, layer_end) of the model at ``path``.
 
     ``path`` is a whole model (the range defaults to all of it) or a slice (its own range; asking
     for another is refused). llama.cpp backends get a slice of the range, cut once into
-    ``cache_dir`` (default: the cache's ``slices/``).
+    ``cache_dir`` (default: the cache's ``slices/``). ``model``: the file at ``path`` already
+    parsed by the caller (parsing a large vocabulary takes seconds).
     """
 
     path = Path(path)
-    model = GGUFModel(path)  # parsed once: the slice check, the layer count and the slicer share it
+    model = model or GGUFModel(path)  # parsed once: the slice check, the layer count and the slicer share it
     info = slice_info(model)
     if info is not None:
         start, end, n_layers = info["layer_start"], info["layer_end"], info["n_layers_total"]
@@ -73,10 +75,13 @@ def open_range(
     return open_backend(kind, path, start, end, threads, n_layers=n_layers, **opts)
 
 
-def open_reference(path: str | Path, *, threads: int = 1, **opts) -> LlamaCppFullBackend:
-    """The whole model in one llama.cpp process: the reference that routes are compared with."""
+def open_reference(
+    path: str | Path, *, threads: int = 1, model: GGUFModel | None = None, **opts
+) -> LlamaCppFullBackend:
+    """The whole model in one llama.cpp process: the reference that routes are compared with
+    (``model``: the file at ``path`` already parsed by the caller)."""
 
-    if slice_info(Path(path)) is not None:
+    if slice_info(model or Path(path)) is not None:
         raise UnsupportedModel(f"{path} is a layer-range slice, not a whole model")
     return cast("LlamaCppFullBackend", open_backend("llama-cpp-full", path, threads=threads, **opts))
 

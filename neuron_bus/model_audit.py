@@ -171,12 +171,12 @@ def _through(backends, sid: str, open_session: bool = True):
 
 
 def check_full_inference(
-    audit: ModelAudit, threads: int, n_prompt: int = N_PROMPT, n_decode: int = N_DECODE
+    audit: ModelAudit, model: GGUFModel, threads: int, n_prompt: int = N_PROMPT, n_decode: int = N_DECODE
 ) -> tuple[np.ndarray, list[np.ndarray]] | None:
     """Run the whole model on llama.cpp; return (prompt ids, reference logits) when it works."""
     full = None
     try:
-        full = open_reference(audit.path, n_ctx=N_CTX, max_sessions=2, threads=threads)
+        full = open_reference(audit.path, n_ctx=N_CTX, max_sessions=2, threads=threads, model=model)
         cap = full.capability
         audit.cache = CacheFacts(
             cap.cache_abi, cap.cache_bytes_per_token_estimate, cap.cache_fixed_bytes, cap.supports_truncate
@@ -224,14 +224,14 @@ def choose_splits(
     return out
 
 
-def _open_hops(path, ranges, tmp, threads):
+def _open_hops(model: GGUFModel, ranges, tmp, threads):
     hops = []
     try:
         for start, end in ranges:
             hops.append(
                 open_range(
                     "llama-cpp",
-                    path,
+                    model.paths[0],
                     start,
                     end,
                     cache_dir=tmp,
@@ -239,6 +239,7 @@ def _open_hops(path, ranges, tmp, threads):
                     max_sessions=2,
                     threads=threads,
                     benchmark=False,
+                    model=model,
                 )
             )
     except BaseException:
@@ -248,10 +249,10 @@ def _open_hops(path, ranges, tmp, threads):
     return hops
 
 
-def run_split(audit: ModelAudit, ranges, reference, tmp: str, threads: int) -> tuple[SplitResult, list]:
+def run_split(model: GGUFModel, ranges, reference, tmp: str, threads: int) -> tuple[SplitResult, list]:
     """One split against the reference logits; returns the result and its (open) hops."""
     prompt, expected = reference
-    hops = _open_hops(audit.path, ranges, tmp, threads)
+    hops = _open_hops(model, ranges, tmp, threads)
     got = _greedy(_through(hops, "audit"), prompt, len(expected) - 1)
     diffs = [float(np.abs(a - b).max()) for a, b in zip(got, expected)]
     exact = all(np.array_equal(a, b) for a, b in zip(got, expected))
@@ -328,7 +329,7 @@ def check_llama_cpp(audit: ModelAudit, model: GGUFModel, reference, threads: int
                 if isinstance(plan, str):
                     continue
                 try:
-                    result, hops = run_split(audit, plan, reference, tmp, threads)
+                    result, hops = run_split(model, plan, reference, tmp, threads)
                 except Exception as exc:
                     audit.splits.append(SplitResult(list(plan), False, None, _reason(exc)))
                     continue
@@ -339,7 +340,7 @@ def check_llama_cpp(audit: ModelAudit, model: GGUFModel, reference, threads: int
                     for h in hops:
                         h.close()
             if snapshot_hops is None:  # no split ran: the whole model's own snapshot
-                snapshot_hops = _open_hops(audit.path, [(0, audit.n_layers)], tmp, threads)
+                snapshot_hops = _open_hops(model, [(0, audit.n_layers)], tmp, threads)
                 _greedy(_through(snapshot_hops, "audit"), reference[0], 0)
             try:
                 audit.snapshot = check_snapshot(snapshot_hops, reference)
@@ -354,17 +355,17 @@ def check_llama_cpp(audit: ModelAudit, model: GGUFModel, reference, threads: int
     return Check(all(s.bit_exact for s in audit.splits) and not refused, "; ".join(details))
 
 
-def check_torch_boundary(audit: ModelAudit, reference, threads: int) -> Check:
+def check_torch_boundary(audit: ModelAudit, model: GGUFModel, reference, threads: int) -> Check:
     n = audit.n_layers or 0
     if n < 2:
         return Check(False, "a one-layer model has no layer boundary")
     split = n // 2
     backends = []
     try:
-        whole = open_range("torch", audit.path, 0, n, threads=threads, benchmark=False)
+        whole = open_range("torch", audit.path, 0, n, threads=threads, benchmark=False, model=model)
         backends.append(whole)
         for start, end in ((0, split), (split, n)):
-            backends.append(open_range("torch", audit.path, start, end, threads=threads, benchmark=False))
+            backends.append(open_range("torch", audit.path, start, end, threads=threads, benchmark=False, model=model))
         prompt = reference[0] if reference is not None else np.array([1, 2, 3, 4], dtype=np.int32)
         expected = _greedy(_through([whole], "audit"), prompt, N_DECODE)
         got = _greedy(_through(backends[1:], "audit"), prompt, N_DECODE)
@@ -395,10 +396,10 @@ def audit_model(
     model = check_artifact(audit)
     if model is None:
         return audit
-    reference = check_full_inference(audit, threads, n_prompt, n_decode)
+    reference = check_full_inference(audit, model, threads, n_prompt, n_decode)
     for kind in backends:
         if kind == "llama-cpp":
             audit.layer_boundary[kind] = check_llama_cpp(audit, model, reference, threads)
         elif kind == "torch":
-            audit.layer_boundary[kind] = check_torch_boundary(audit, reference, threads)
+            audit.layer_boundary[kind] = check_torch_boundary(audit, model, reference, threads)
     return audit

@@ -93,15 +93,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     A port is never handed out twice by one process; another process picking the same port at the
     same moment remains possible but unlikely (one in about twenty thousand)."""
     lo, hi = ephemeral_range()
-    # below the range; a kernel whose range starts low: above it
-    bottom, top = (FREE_PORT_FLOOR, lo) if lo - FREE_PORT_FLOOR >= 2000 else (hi + 1, 65536)
+    # below the range, or above it on a kernel whose range starts low
+    bottom, top = max((FREE_PORT_FLOOR, lo), (hi + 1, 65536), key=lambda r: r[1] - r[0])
     with _handed_lock:
-        for _ in range(200 if top - bottom >= 2000 else 0):
+        for _ in range(200):
             port = random.randrange(bottom, top)
             if port not in _handed_out and not port_taken(host, port):
                 _handed_out.add(port)
                 return port
-    # no such range, or nothing free in it: the kernel picks
+    # nothing free there: the kernel picks
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
