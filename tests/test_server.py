@@ -134,6 +134,15 @@ def test_free_ports_lie_outside_the_kernels_source_port_range_and_are_never_hand
             s.listen()
 
 
+def test_free_port_on_kernels_whose_source_port_range_starts_low(monkeypatch):
+    """Above the range when it starts low; the kernel's pick when the range leaves no room at all."""
+    monkeypatch.setattr(natsserver, "ephemeral_range", lambda: (1024, 40000))
+    assert all(40000 < free_port() < 65536 for _ in range(20))
+    monkeypatch.setattr(natsserver, "ephemeral_range", lambda: (1024, 65535))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", free_port()))
+
+
 def test_a_port_taken_after_the_check_is_named_as_taken(tmp_path, monkeypatch):
     """The race free_port narrows: a port taken between the check and the server's own bind. The
     server's failure then says the port is in use, not merely that it exited."""
