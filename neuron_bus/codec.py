@@ -1,9 +1,12 @@
 """Activation codec: header-tagged binary messages.
 
-NATS headers carry an :class:`~neuron_bus.messages.ActivationHeader` (the session state key plus
-phase, seq, dtype, shape, encoding), one header per field, as text. The body is the tensor as raw
-little-endian f32, bf16 (the upper 16 bits of f32, rounded to nearest even) or i32 (token ids),
-optionally compressed with zstd level 1.
+One NATS header, ``activation``, carries an :class:`~neuron_bus.messages.ActivationHeader` (the
+session state key plus phase, seq, dtype, shape, encoding) as compact JSON; its MAC, when the
+session is keyed, rides in a second header, ``mac``, and covers these exact header bytes
+(trust/sealing.py). One header instead of one per field: nats-py builds and parses every header
+line in Python on both sides of each hop, and the fields' text forms had to be rebuilt for the MAC.
+The body is the tensor as raw little-endian f32, bf16 (the upper 16 bits of f32, rounded to
+nearest even) or i32 (token ids), optionally compressed with zstd level 1.
 
 Anything malformed raises :class:`~neuron_bus.errors.MalformedMessage` with a reason label
 (missing_header, bad_header, unknown_dtype, unknown_encoding, corrupt_zstd, size_mismatch,
@@ -30,9 +33,11 @@ DTYPES: dict[str, np.dtype] = {
 ENCODINGS = ("raw", "zstd")
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
 
-_FIELDS = ActivationHeader.__struct_fields__
-_OPTIONAL = {"encoding", "mac"}  # encoding defaults to raw; mac is absent on unauthenticated sessions
-_INT_FIELDS = {"layer_start", "layer_end", "position", "seq"}
+HEADER = "activation"  # the NATS header holding the ActivationHeader as JSON
+MAC_HEADER = "mac"  # its MAC under the session's link key (absent on unauthenticated sessions)
+_REQUIRED = [f for f in ActivationHeader.__struct_fields__ if f not in ("encoding", "mac")]
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(ActivationHeader)
 _compressor = zstandard.ZstdCompressor(level=1)
 
 
@@ -48,47 +53,19 @@ def bf16_to_f32(b: np.ndarray) -> np.ndarray:
 
 
 def _header_to_nats(h: ActivationHeader) -> dict[str, str]:
-    out = {}
-    for name in _FIELDS:
-        value = getattr(h, name)
-        if name == "mac" and not value:
-            continue
-        out[name] = ",".join(str(int(d)) for d in value) if name == "shape" else str(value)
-    return out
+    wire = h if not h.mac else msgspec.structs.replace(h, mac="")  # the MAC is never inside what it covers
+    return {HEADER: _encoder.encode(wire).decode()}
 
 
 def _header_from_nats(headers: dict[str, str] | None) -> ActivationHeader:
-    if not headers:
-        raise MalformedMessage(Reason.MISSING_HEADER, "activation has no headers")
-    raw: dict[str, object] = {}
-    for name in _FIELDS:
-        if name not in headers:
-            if name in _OPTIONAL:
-                continue
-            raise MalformedMessage(Reason.MISSING_HEADER, f"activation header {name!r} is missing")
-        value = headers[name]
-        try:
-            if name in _INT_FIELDS:
-                raw[name] = int(value)
-            elif name == "shape":
-                raw[name] = [int(d) for d in value.split(",")] if value else []
-            else:
-                raw[name] = value
-        except ValueError:
-            raise MalformedMessage(Reason.BAD_HEADER, f"activation header {name}={value!r} is not valid") from None
-    dtype, encoding = raw.get("dtype"), raw.get("encoding", "raw")
-    if dtype not in DTYPES:
-        raise MalformedMessage(
-            Reason.UNKNOWN_DTYPE, f"unknown activation dtype {dtype!r} (expected one of {', '.join(DTYPES)})"
-        )
-    if encoding not in ENCODINGS:
-        raise MalformedMessage(
-            Reason.UNKNOWN_ENCODING, f"unknown activation encoding {encoding!r} (expected raw or zstd)"
-        )
+    text = (headers or {}).get(HEADER)
+    if text is None:
+        raise MalformedMessage(Reason.MISSING_HEADER, f"activation has no {HEADER!r} header")
     try:
-        header = msgspec.convert(raw, ActivationHeader)
-    except msgspec.ValidationError as exc:
-        raise MalformedMessage(Reason.BAD_HEADER, f"activation header: {exc}") from None
+        header = _decoder.decode(text)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        raise _why_not(text) from None
+    header.mac = headers.get(MAC_HEADER, "") if headers else ""
     if any(d < 0 for d in header.shape) or header.position < 0 or header.seq < 0:
         raise MalformedMessage(Reason.BAD_HEADER, "activation header has a negative shape, position or seq")
     if header.layer_start < 0 or header.layer_end <= header.layer_start:
@@ -96,6 +73,44 @@ def _header_from_nats(headers: dict[str, str] | None) -> ActivationHeader:
             Reason.BAD_HEADER, f"activation header has an empty layer range {header.layer_start}-{header.layer_end}"
         )
     return header
+
+
+def _why_not(text: str) -> MalformedMessage:
+    """What is wrong with an activation header that did not decode (the slow path: only for refusals)."""
+    try:
+        raw = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return MalformedMessage(Reason.BAD_HEADER, f"activation header is not JSON: {text[:80]!r}")
+    if not isinstance(raw, dict):
+        return MalformedMessage(Reason.BAD_HEADER, "activation header is not a JSON object")
+    missing = [name for name in _REQUIRED if name not in raw]
+    if missing:
+        return MalformedMessage(Reason.MISSING_HEADER, f"activation header field {missing[0]!r} is missing")
+    dtype, encoding = raw.get("dtype"), raw.get("encoding", "raw")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        return MalformedMessage(
+            Reason.UNKNOWN_DTYPE, f"unknown activation dtype {dtype!r} (expected one of {', '.join(DTYPES)})"
+        )
+    if not isinstance(encoding, str) or encoding not in ENCODINGS:
+        return MalformedMessage(
+            Reason.UNKNOWN_ENCODING, f"unknown activation encoding {encoding!r} (expected raw or zstd)"
+        )
+    try:
+        msgspec.convert(raw, ActivationHeader)
+    except msgspec.ValidationError as exc:
+        return MalformedMessage(Reason.BAD_HEADER, f"activation header: {exc}")
+    return MalformedMessage(Reason.BAD_HEADER, "activation header does not decode")
+
+
+def session_of(headers: dict[str, str] | None) -> str:
+    """The session an activation names, as far as its header can be read ("" when it cannot): a
+    refused message's session is told why."""
+    try:
+        raw = msgspec.json.decode((headers or {}).get(HEADER, ""))
+    except msgspec.DecodeError:
+        return ""
+    sid = raw.get("session_id") if isinstance(raw, dict) else None
+    return sid if isinstance(sid, str) else ""
 
 
 def encode(

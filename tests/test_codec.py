@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import numpy as np
 import pytest
 import zstandard
@@ -12,6 +15,7 @@ from hypothesis.extra import numpy as hnp
 from neuron_bus import codec
 from neuron_bus.errors import MalformedMessage
 from neuron_bus.messages import ActivationHeader
+from tests import wire
 
 
 def header(**kw) -> ActivationHeader:
@@ -89,24 +93,55 @@ def good() -> tuple[dict[str, str], bytes]:
 @given(drop=st.sampled_from([f for f in ActivationHeader.__struct_fields__ if f not in ("encoding", "mac")]))
 def test_missing_header_rejected(drop):
     headers, body = good()
-    del headers[drop]
     with pytest.raises(MalformedMessage) as e:
-        codec.decode(headers, body)
+        codec.decode(wire.edit(headers, **{drop: None}), body)
     assert e.value.reason == "missing_header" and drop in str(e.value)
+
+
+def test_the_header_is_one_json_header_without_its_mac():
+    h = header(mac="ab" * 16)
+    headers, _ = codec.encode(h, np.ones((2, 4), dtype=np.float32))
+    assert list(headers) == [codec.HEADER]
+    assert wire.fields(headers)["mac"] == "" and wire.fields(headers)["shape"] == [2, 4]
+    headers[codec.MAC_HEADER] = h.mac
+    assert codec.decode_header(headers).mac == h.mac  # the MAC comes from its own header
+    with pytest.raises(MalformedMessage) as e:
+        codec.decode_header({"session_id": "s1"})  # the old one-header-per-field form
+    assert e.value.reason == "missing_header"
+
+
+@pytest.mark.parametrize("text", ["", "{", "[1, 2]", "null", '"s1"'])
+def test_a_header_that_is_not_a_json_object_is_rejected(text):
+    with pytest.raises(MalformedMessage) as e:
+        codec.decode_header({codec.HEADER: text})
+    assert e.value.reason in {"bad_header", "missing_header"}
+    assert codec.session_of({codec.HEADER: text}) == ""
 
 
 @settings(max_examples=200, deadline=None)
 @given(
-    field=st.sampled_from(["layer_start", "layer_end", "position", "seq", "shape", "phase"]),
-    garbage=st.text(min_size=1, max_size=12).filter(lambda s: not s.strip().lstrip("-").isdigit()),
+    field=st.sampled_from(["layer_start", "layer_end", "position", "seq", "shape", "phase", "session_id"]),
+    garbage=st.one_of(
+        st.text(min_size=1, max_size=12),
+        st.integers(-(2**40), -1),
+        st.floats(),
+        st.booleans(),
+        st.none(),
+        st.lists(st.integers(-3, 3), max_size=3),
+    ),
 )
 def test_garbled_header_rejected(field, garbage):
     assume(not (field == "phase" and garbage in ("prefill", "decode")))  # the other phase is no garbage
+    assume(not (field == "session_id" and isinstance(garbage, str)))  # any text is a session id here
+    assume(garbage is not None)  # None drops the field: test_missing_header_rejected
+    assume(not (field == "shape" and isinstance(garbage, list) and all(d >= 0 for d in garbage)))
     headers, body = good()
-    headers[field] = garbage
     with pytest.raises(MalformedMessage) as e:
-        codec.decode(headers, body)
+        codec.decode(wire.edit(headers, **{field: garbage}), body)
     assert e.value.reason in {"bad_header", "size_mismatch"}
+    readable = not (isinstance(garbage, float) and not math.isfinite(garbage))  # json.dumps writes NaN: not JSON
+    expected = "s1" if field != "session_id" and readable else ""
+    assert codec.session_of(wire.edit(headers, **{field: garbage})) == expected
 
 
 @settings(max_examples=200, deadline=None)
@@ -123,7 +158,7 @@ def test_body_size_mismatch_rejected(cut, extra):
 @given(dtype=st.text(min_size=1, max_size=8).filter(lambda s: s not in codec.DTYPES))
 def test_unknown_dtype_rejected(dtype):
     headers, body = good()
-    headers["dtype"] = dtype
+    headers = wire.edit(headers, dtype=dtype)
     with pytest.raises(MalformedMessage) as e:
         codec.decode(headers, body)
     assert e.value.reason == "unknown_dtype"
@@ -132,7 +167,7 @@ def test_unknown_dtype_rejected(dtype):
 @given(enc=st.text(min_size=1, max_size=8).filter(lambda s: s not in codec.ENCODINGS))
 def test_unknown_encoding_rejected(enc):
     headers, body = good()
-    headers["encoding"] = enc
+    headers = wire.edit(headers, encoding=enc)
     with pytest.raises(MalformedMessage) as e:
         codec.decode(headers, body)
     assert e.value.reason == "unknown_encoding"
@@ -160,9 +195,8 @@ def test_oversized_payloads_rejected():
     with pytest.raises(MalformedMessage) as e:
         codec.decode(headers, body, max_body=16)
     assert e.value.reason == "oversized"
-    headers["shape"] = "100000,100000"
     with pytest.raises(MalformedMessage) as e:
-        codec.decode(headers, body)
+        codec.decode(wire.edit(headers, shape=[100000, 100000]), body)
     assert e.value.reason == "oversized"
     with pytest.raises(MalformedMessage) as e:
         codec.encode(header(), np.zeros((100, 100), dtype=np.float32), max_body=1000)
@@ -175,12 +209,26 @@ def test_no_headers_rejected():
     assert e.value.reason == "missing_header"
 
 
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
-    headers=st.dictionaries(st.sampled_from(list(ActivationHeader.__struct_fields__) + ["x"]), st.text(max_size=10)),
+    fields=st.dictionaries(st.sampled_from(list(ActivationHeader.__struct_fields__) + ["x"]), _json),
+    text=st.text(max_size=40),
     body=st.binary(max_size=64),
 )
-def test_arbitrary_input_is_either_decoded_or_rejected_cleanly(headers, body):
+def test_arbitrary_input_is_either_decoded_or_rejected_cleanly(fields, text, body):
+    for headers in ({codec.HEADER: json.dumps(fields)}, {codec.HEADER: text}, dict.fromkeys(fields, text)):
+        _decoded_or_refused(headers, body)
+        assert isinstance(codec.session_of(headers), str)
+
+
+def _decoded_or_refused(headers, body):
     try:
         h, arr = codec.decode(headers, body)
     except MalformedMessage:

@@ -18,6 +18,7 @@ from neuron_bus.routes import hop_header
 from neuron_bus.worker.audit_trail import AuditTrail
 from neuron_bus.worker.engine import EngineOptions, Failed, Gone, HopEngine, Incoming, Output
 from neuron_bus.worker.tail import TailDecoder
+from tests import wire
 
 N_CTX = 64
 PROMPT = [1, 5, 9, 13, 17, 21, 25]
@@ -171,14 +172,14 @@ def test_admission_refuses_before_any_model_work_with_a_reason_each(route):
 
     h = dict(good[0].headers)
     assert reason(phase="decode") == "wrong_phase"  # a prefill chunk on the decode subject
-    assert reason({**h, "session_id": "nobody"}) == "unknown_session"
-    assert reason({**h, "route_id": "r9"}) == "wrong_route"
-    assert reason({**h, "cache_abi": "other"}) == "wrong_key"
-    assert reason({**h, "layer_start": "1"}) == "wrong_layers"
-    assert reason({**h, "seq": "3"}) == "out_of_order"
-    assert reason({**h, "position": "4"}) == "position_gap"
+    assert reason(wire.edit(h, session_id="nobody")) == "unknown_session"
+    assert reason(wire.edit(h, route_id="r9")) == "wrong_route"
+    assert reason(wire.edit(h, cache_abi="other")) == "wrong_key"
+    assert reason(wire.edit(h, layer_start=1)) == "wrong_layers"
+    assert reason(wire.edit(h, seq=3)) == "out_of_order"
+    assert reason(wire.edit(h, position=4)) == "position_gap"
     assert reason(data=good[0].data[:-1]) == "size_mismatch"
-    assert reason({k: v for k, v in h.items() if k != "seq"}) == "missing_header"
+    assert reason(wire.edit(h, seq=None)) == "missing_header"
     steps, rejected = e.admit([good[0], good[0]], "prefill")  # the same step twice in one batch
     assert len(steps) == 1 and [r.reason for r in rejected] == ["replayed"]
     assert e.backend.forward_calls == calls  # nothing reached the model

@@ -138,7 +138,9 @@ def test_wrong_route_or_session_is_rejected_before_model_work(swarm, reference):
             await js.publish(S.hop_input(tail, route.route_id, 1, "prefill", "ghost" + sid), body, headers=h)
             # garbage on the same subject
             await js.publish(
-                S.hop_input(tail, route.route_id, 1, "prefill", sid), b"\x00garbage", headers={"session_id": sid}
+                S.hop_input(tail, route.route_id, 1, "prefill", sid),
+                b"\x00garbage",
+                headers={codec.HEADER: json.dumps({"session_id": sid})},  # names its session, and nothing else
             )
             for _ in range(100):
                 after = await c.sessions(tail)

@@ -37,6 +37,7 @@ from neuron_bus.topology import connect
 from neuron_bus.trust import sealing
 from neuron_bus.trust.identity import push_account
 from neuron_bus.trust.ledger import read_ledger
+from tests import wire
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
@@ -241,7 +242,7 @@ def test_replayed_and_forged_activations_are_refused_and_counted_and_bob_cannot_
             await asyncio.sleep(0.3)  # some of the live session's messages are on the wire by now
             sent = 0
             for subject, headers, body in list(captured):  # the copies so far (the replays are captured too)
-                moved = {**headers, "session_id": sid, "seq": "0", "position": "0"}
+                moved = wire.edit(headers, session_id=sid, seq=0, position=0)
                 # replayed (its session is closed), and a real message moved onto the probe
                 for h in (headers, moved):
                     await publish(sjs, subject, body, h)

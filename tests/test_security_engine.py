@@ -14,6 +14,7 @@ from neuron_bus.errors import NeuronBusError, SessionMismatch
 from neuron_bus.routes import hop_header
 from neuron_bus.trust import sealing
 from neuron_bus.worker.engine import Incoming, Output
+from tests import wire
 from tests.test_engine import N_CTX, PROMPT, Route, greedy
 
 
@@ -106,7 +107,10 @@ def test_forged_copied_and_moved_activations_are_refused_before_model_work(keyed
     flipped = bytes([good[0].data[0] ^ 1]) + good[0].data[1:]
     assert reason(Incoming("x", good[0].headers, flipped)) in ("bad_mac", "size_mismatch")
     # a copy moved to another session (its MAC covers the session id)
-    assert reason(Incoming("x", {**good[0].headers, "session_id": "b"}, good[0].data)) == "bad_mac"
+    assert reason(Incoming("x", wire.edit(good[0].headers, session_id="b"), good[0].data)) == "bad_mac"
+    # the same fields written another way (spaces): the MAC covers the bytes carried, not a re-encoding
+    spaced = {**good[0].headers, codec.HEADER: good[0].headers[codec.HEADER].replace(",", ", ")}
+    assert reason(Incoming("x", spaced, good[0].data)) == "bad_mac"
     assert e.backend.forward_calls == calls  # nothing reached the model
     steps, rejected = e.admit([good[0]], "prefill")
     assert len(steps) == 1 and not rejected
@@ -124,9 +128,10 @@ def test_hop_outputs_are_signed_with_the_next_links_key(keyed):
     (send,) = out.sends
     header = codec.decode_header(send.headers)
     assert send.subject == "neuron.act.n1.r1.1.prefill.a"  # keyed by the receiving node, one subject per session
-    body = sealing.verify(header, send.body, keys[1], keyed.encrypt)  # link 1's key, not link 0's
+    head = sealing.head_of(send.headers)
+    body = sealing.verify(header, head, send.body, keys[1], keyed.encrypt)  # link 1's key, not link 0's
     with pytest.raises(SessionMismatch):
-        sealing.verify(header, send.body, keys[0], keyed.encrypt)
+        sealing.verify(header, head, send.body, keys[0], keyed.encrypt)
     if keyed.encrypt:  # the hidden states are not on the wire in the clear
         x = codec.decode_body(header, body)
         assert x.tobytes() not in send.body

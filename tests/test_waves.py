@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+import numpy as np
 import pytest
 from nats.aio.msg import Msg
 
+from neuron_bus import codec
 from neuron_bus import messages as M
 from neuron_bus.worker.engine import Incoming
 from neuron_bus.worker.session_table import HopSession
@@ -38,8 +40,17 @@ def decoding(session_id: str, hop_index: int, hops: int = 2) -> HopSession:
     return HopSession(open=open_, node_id=f"n{hop_index}", position=4)  # past its prompt: decoding
 
 
+def activation(session_id: str, rows: int, phase: str) -> dict[str, str]:
+    """The headers of a step of ``rows`` positions (waves read only those, never the body)."""
+    header = M.ActivationHeader(
+        session_id=session_id, route_id="r", model_preset="m", model_revision="v", backend_id="b", cache_abi="a",
+        layer_start=0, layer_end=1, position=4, phase=phase, seq=0, dtype="i32", shape=[rows],
+    )  # fmt: skip
+    return codec.encode(header, np.zeros(rows, dtype=np.int32))[0]
+
+
 def step(session_id: str) -> Incoming:
-    msg = Msg(_client=None, subject="neuron.act.r.0.decode", headers={"session_id": session_id}, data=b"")
+    msg = Msg(_client=None, subject="neuron.act.r.0.decode", headers=activation(session_id, 1, "decode"), data=b"")
     return Incoming(msg, msg.headers, msg.data)  # what the consumer queues
 
 
@@ -84,7 +95,7 @@ def test_the_head_takes_the_oldest_steps_wave_and_waits_for_its_straggler(backen
 
         asyncio.get_running_loop().call_later(0.05, straggler)
         picked = await waves.next(sessions, backend)
-        return [m.headers["session_id"] for m in picked], [m.headers["session_id"] for m in queue]
+        return [m.session_id for m in picked], [m.session_id for m in queue]
 
     picked, left = asyncio.run(run())
     assert picked == ["d", "b"]  # d's wave (slots 2, 3), once b's step arrived
@@ -98,7 +109,7 @@ def test_a_missing_member_holds_the_wave_only_for_the_wait(backend):
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         picked = await waves.next([decoding(sid, 0) for sid in "abcd"], backend)
-        return [m.headers["session_id"] for m in picked], loop.time() - t0
+        return [m.session_id for m in picked], loop.time() - t0
 
     picked, waited = asyncio.run(run())
     assert picked == ["d"] and waited >= 0.03
@@ -109,13 +120,13 @@ def test_later_hops_take_steps_in_arrival_order(backend):
         queue = deque([step(sid) for sid in "dcab"])
         waves = DecodeWaves(queue, asyncio.Event(), max_batch=8, wait_ms=10)
         picked = await waves.next([decoding(sid, 1) for sid in "abcd"], backend)
-        return [m.headers["session_id"] for m in picked], len(queue)
+        return [m.session_id for m in picked], len(queue)
 
     assert asyncio.run(run()) == (["d", "c"], 2)
 
 
 def chunk(session_id: str, rows: int, name: str) -> Incoming:
-    headers = {"session_id": session_id, "shape": f"{rows}", "name": name}
+    headers = activation(session_id, rows, "prefill") | {"name": name}
     msg = Msg(_client=None, subject="neuron.act.r.0.prefill", headers=headers, data=b"")
     return Incoming(msg, msg.headers, msg.data)
 

@@ -7,13 +7,14 @@ key (link i+1, or link 0 at the tail) over the hop's own control subject, which 
 credential may read. So a node can verify what it receives and sign what it sends, and cannot
 forge into any link but the one it feeds anyway.
 
-- MAC: keyed BLAKE2b (16 bytes) over the canonical activation header (every `ActivationHeader`
-  field but ``mac``, in declaration order, as the wire text) and the body as sent. It is carried
-  in the ``mac`` header and checked after the header's state key and before any model work
-  (reason ``bad_mac``). A copy replayed is refused by seq/position (``replayed``); a copy moved
+- MAC: keyed BLAKE2b (16 bytes) over the activation header exactly as carried (the bytes of the
+  codec's ``activation`` header: every `ActivationHeader` field but ``mac``) and the body as sent.
+  It is carried in the ``mac`` header and checked after the header's state key and before any
+  model work (reason ``bad_mac``). What is checked is what was parsed: there is no canonical form
+  to rebuild, nor one that two encoders could disagree on. A copy replayed is refused by seq/position (``replayed``); a copy moved
   to another session, route, hop or position no longer matches its MAC.
 - Encryption (``SessionOpen.encrypt``, ``--encrypt-activations``): the body becomes
-  ``nonce(24) || XChaCha20-Poly1305(body, aad=canonical header)`` under a subkey; the MAC covers
+  ``nonce(24) || XChaCha20-Poly1305(body, aad=header bytes)`` under a subkey; the MAC covers
   the sealed body, so refusal comes before decryption; a body that does not open is ``bad_seal``.
 - Control proofs: closing or resuming a session on a hop needs a MAC of the request with that
   hop's input key: only the client that opened it (and the hop itself) has it.
@@ -36,6 +37,7 @@ from functools import lru_cache
 from nacl import bindings as sodium
 from nacl.exceptions import CryptoError
 
+from neuron_bus import codec
 from neuron_bus import messages as M
 from neuron_bus.errors import SessionMismatch
 from workers.errors import Reason
@@ -43,7 +45,6 @@ from workers.errors import Reason
 KEY_BYTES = 32
 MAC_BYTES = 16
 NONCE_BYTES = sodium.crypto_aead_xchacha20poly1305_ietf_NPUBBYTES  # 24: random nonces never collide
-_FIELDS = [f for f in M.ActivationHeader.__struct_fields__ if f != "mac"]
 
 
 def new_key() -> str:
@@ -79,8 +80,9 @@ class LinkKey:
     def parse(cls, text: str) -> LinkKey:
         return _parse(text)
 
-    def tag(self, header: M.ActivationHeader, body: bytes) -> str:
-        return _mac(self.mac, canonical(header), body)
+    def tag(self, head: bytes, body: bytes) -> str:
+        """The MAC of an activation: its header's wire bytes ``head`` and its body as sent."""
+        return _mac(self.mac, head, body)
 
     def proof(self, *parts: object) -> str:
         """A control request's proof: a MAC of its parts (op, session, route, positions)."""
@@ -103,14 +105,10 @@ def _mac(key: bytes, head: bytes, body: bytes) -> str:
     return h.hexdigest()
 
 
-def canonical(header: M.ActivationHeader) -> bytes:
-    """The header as the MAC sees it: every field but ``mac``, as its wire text, one per line."""
-    parts = []
-    for name in _FIELDS:
-        value = getattr(header, name)
-        text = ",".join(str(int(d)) for d in value) if name == "shape" else str(value)
-        parts.append(f"{name}={text}")
-    return "\n".join(parts).encode()
+def head_of(headers: dict[str, str]) -> bytes:
+    """The bytes an activation's MAC covers: its codec header as carried (b"" when it has none:
+    such a message is refused by the codec first)."""
+    return headers.get(codec.HEADER, "").encode()
 
 
 def seal(
@@ -118,16 +116,18 @@ def seal(
 ) -> tuple[dict[str, str], bytes]:
     """Sign (and with ``encrypt`` first seal) an encoded activation with link key ``key``."""
     k = LinkKey.parse(key)
+    head = head_of(headers)
     if encrypt:
         nonce = os.urandom(NONCE_BYTES)
-        body = nonce + sodium.crypto_aead_xchacha20poly1305_ietf_encrypt(body, canonical(header), nonce, k.enc)
-    header.mac = k.tag(header, body)
-    headers["mac"] = header.mac
+        body = nonce + sodium.crypto_aead_xchacha20poly1305_ietf_encrypt(body, head, nonce, k.enc)
+    header.mac = k.tag(head, body)
+    headers[codec.MAC_HEADER] = header.mac
     return headers, body
 
 
-def verify(header: M.ActivationHeader, body: bytes, key: str, encrypt: bool) -> bytes:
-    """Check an activation's MAC against link key ``key``; return its body (opened with ``encrypt``).
+def verify(header: M.ActivationHeader, head: bytes, body: bytes, key: str, encrypt: bool) -> bytes:
+    """Check an activation's MAC (``header.mac``) over its header bytes ``head`` (`head_of`) and
+    ``body`` against link key ``key``; return its body (opened with ``encrypt``).
 
     Raises `SessionMismatch` ``bad_mac`` (missing or wrong MAC) or ``bad_seal`` (a body that does
     not open) before anything reads the body.
@@ -135,16 +135,14 @@ def verify(header: M.ActivationHeader, body: bytes, key: str, encrypt: bool) -> 
     k = LinkKey.parse(key)
     if not header.mac:
         raise SessionMismatch(Reason.BAD_MAC, f"session {header.session_id}: activation carries no MAC")
-    if not hmac.compare_digest(header.mac, k.tag(header, body)):
+    if not hmac.compare_digest(header.mac, k.tag(head, body)):
         raise SessionMismatch(Reason.BAD_MAC, f"session {header.session_id}: activation MAC does not match")
     if not encrypt:
         return body
     if len(body) < NONCE_BYTES:
         raise SessionMismatch(Reason.BAD_SEAL, f"session {header.session_id}: sealed body too short")
     try:
-        return sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(
-            body[NONCE_BYTES:], canonical(header), body[:NONCE_BYTES], k.enc
-        )
+        return sodium.crypto_aead_xchacha20poly1305_ietf_decrypt(body[NONCE_BYTES:], head, body[:NONCE_BYTES], k.enc)
     except CryptoError:
         raise SessionMismatch(Reason.BAD_SEAL, f"session {header.session_id}: sealed body does not open") from None
 

@@ -73,19 +73,35 @@ class Incoming:
     headers: dict[str, str] | None
     data: bytes
     arrived: float = field(default_factory=time.monotonic)  # when the consumer handed it over
+    _header: M.ActivationHeader | MalformedMessage | None = field(default=None, init=False, repr=False)
+
+    def header(self) -> M.ActivationHeader:
+        """Its decoded header, decoded once (waves and admission both read it); MalformedMessage if it is not one."""
+        if self._header is None:
+            try:
+                self._header = codec.decode_header(self.headers)
+            except MalformedMessage as exc:
+                self._header = exc
+        if isinstance(self._header, MalformedMessage):
+            raise self._header
+        return self._header
 
     @property
     def session_id(self) -> str | None:
-        return (self.headers or {}).get("session_id")
+        try:
+            return self.header().session_id
+        except MalformedMessage:
+            return codec.session_of(self.headers) or None
 
     @property
     def rows(self) -> int:
-        """The positions it carries, by its shape header (1 when that is missing or malformed: the
-        engine refuses such a message)."""
+        """The positions it carries, by its header's shape (1 when that is malformed: the engine
+        refuses such a message)."""
         try:
-            return max(1, int((self.headers or {}).get("shape", "1").split(",")[0]))
-        except ValueError:
+            shape = self.header().shape
+        except MalformedMessage:
             return 1
+        return max(1, shape[0]) if shape else 1
 
 
 @dataclass
@@ -194,10 +210,11 @@ class HopEngine:
                 if s.session_id in seen:  # a copy of a step already in this batch
                     raise SessionMismatch(Reason.REPLAYED, f"a second step for session {s.session_id} in one batch")
             except (MalformedMessage, SessionMismatch) as exc:
-                h = m.headers or {}
-                rejected.append(
-                    Rejection(m.handle, exc.reason, str(exc), h.get("session_id", ""), h.get("route_id", ""))
-                )
+                try:
+                    sid, rid = m.header().session_id, m.header().route_id
+                except MalformedMessage:
+                    sid, rid = codec.session_of(m.headers), ""
+                rejected.append(Rejection(m.handle, exc.reason, str(exc), sid, rid))
                 continue
             seen.add(s.session_id)
             steps.append(Step(m.handle, s, header, x))
@@ -205,7 +222,7 @@ class HopEngine:
 
     def _admit(self, m: Incoming, phase: str) -> tuple[HopSession, M.ActivationHeader, np.ndarray]:
         """Header, (plain) body, state key, MAC, (sealed) body: each refused with its reason in that order."""
-        header = codec.decode_header(m.headers)
+        header = m.header()
         held = self.sessions.get(header.session_id)
         sealed = held is not None and held.open.encrypt
         x = None if sealed else codec.decode_body(header, m.data, max_body=self.opts.max_body)
@@ -215,7 +232,7 @@ class HopEngine:
         if s.tail is not None and header.phase == "decode":
             s.tail.check_step(header.position, header.shape[0] if header.shape else 0)
         if s.open.input_key:  # an authenticated session: nothing unsigned reaches the model
-            body = sealing.verify(header, m.data, s.open.input_key, s.open.encrypt)
+            body = sealing.verify(header, sealing.head_of(m.headers or {}), m.data, s.open.input_key, s.open.encrypt)
             if s.open.encrypt:
                 x = codec.decode_body(header, body, max_body=self.opts.max_body)
         if x is None:  # the session was sealed when the body arrived and is not now (closed, reopened)
