@@ -43,16 +43,16 @@ class InOrder:
     def spawn(self, key: Hashable, coro: Coroutine, name: str | None = None) -> asyncio.Task:
         before = self._last.get(key)
 
-        async def after() -> object:
+        async def after(before: asyncio.Task) -> object:
             try:
-                if before is not None:
-                    await asyncio.wait([before])
+                await asyncio.wait([before])
             except BaseException:
                 coro.close()  # cancelled before it started
                 raise
             return await coro
 
-        task = self.background.spawn(after(), name=name)
+        # nothing of the key in flight (a session's usual case): the coroutine is the task itself
+        task = self.background.spawn(coro if before is None else after(before), name=name)
         self._last[key] = task
         task.add_done_callback(lambda t: self._last.pop(key) if self._last.get(key) is t else None)
         return task
