@@ -253,7 +253,9 @@ async def route_figures(
     concurrency: tuple[int, ...],
     ports: list[int],
     security: dict | None = None,
+    pids: list[int] | None = None,
 ) -> dict:
+    """A route's figures; with ``pids`` (its workers) also their CPU time per decoded token and hop."""
     out: dict = {
         "prefill_tok_s": {},
         "ttft_s": {},
@@ -269,7 +271,12 @@ async def route_figures(
             run = await generation(client, route, ids, 1)
             out["ttft_s"][n] = run["stamps"][0] - run["t0"]
             out["prefill_tok_s"][n] = n / out["ttft_s"][n]
+        workers = [psutil.Process(pid) for pid in pids or []]
+        cpu0 = sum(sum(w.cpu_times()[:2]) for w in workers)
         runs = [await generation(client, route, small, n_decode) for _ in range(2)]
+        if workers:  # the two runs' prompts are in it too: one chunk per hop, next to 2 x n_decode steps
+            cpu = sum(sum(w.cpu_times()[:2]) for w in workers) - cpu0
+            out["decode_cpu_ms_per_token_hop"] = 1000 * cpu / sum(len(r["stamps"]) for r in runs) / len(workers)
         best = max(runs, key=decode_rate)
         out["decode_tok_s"] = decode_rate(best)
         out["token_intervals_s"] = list(np.diff(best["stamps"]))
@@ -313,7 +320,9 @@ def bench_route(
         msgs0 = scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out")
         prompt0 = scrape(ports[0], "neuron_tokens_total", phase="prefill")
         with RssSampler(pids) as rss:
-            out = asyncio.run(route_figures(swarm.url, ids_by_size, n_decode, concurrency, ports, security or {}))
+            out = asyncio.run(
+                route_figures(swarm.url, ids_by_size, n_decode, concurrency, ports, security or {}, list(pids.values()))
+            )
         seam = {ph: scrape(ports[0], "neuron_seam_bytes_total", phase=ph, direction="out") - seam0[ph] for ph in seam0}
         msgs = scrape(ports[0], "neuron_seam_messages_total", phase="decode", direction="out") - msgs0
         prompt_positions = scrape(ports[0], "neuron_tokens_total", phase="prefill") - prompt0  # every prompt hop 0 took
@@ -409,7 +418,8 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
     paired = paired_decode(model_path, threads, ids_by_size[min(sizes)], n_decode, work)
     security = security_cost(paired_security(model_path, threads, ids_by_size[min(sizes)], n_decode, work))
     paired_ratios = [r / s for s, r in paired]
-    floor_ms = jetstream_floor.measure()
+    floor = jetstream_floor.ring()
+    floor_ms = floor.leg_ms_p50
     kv = bench_kv.measure(model_path, threads, work, tok)
     think_ms = 1000 / single["decode_tok_s"] / 2  # each hop of a 2-hop route computes about half a token
     floor_think_ms = jetstream_floor.measure(300, think_ms)
@@ -418,6 +428,9 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
     for name, hops in (("route2 no-op", 2), ("route3 no-op", 3)):
         hop_ms += [1000 * dt / hops for dt in contenders[name]["token_intervals_s"]]
     per_hop_p50 = statistics.median(hop_ms)
+    noop_cpu_ms = statistics.mean(
+        contenders[n]["decode_cpu_ms_per_token_hop"] for n in ("route2 no-op", "route3 no-op")
+    )
 
     print()
     head = f"{'contender':20} {'decode tok/s':>13} {'vs single':>9}"
@@ -466,6 +479,10 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
         f"{floor_think_ms:.3f} ms when each leg also waits {think_ms:.1f} ms for a backend thread)"
     )
     print(
+        f"  CPU per hop and token with no-op hops: {noop_cpu_ms:.3f} ms, {noop_cpu_ms / floor.cpu_ms_per_leg:.2f}x "
+        f"the relay's {floor.cpu_ms_per_leg:.3f} ms per message it relays"
+    )
+    print(
         "session keys on the 2-hop route, measured alternately (cost vs no MACs, decode / prefill "
         f"{min(sizes)}): "
         + ", ".join(
@@ -503,6 +520,9 @@ def run_once(model_path: Path, threads: int, ids_by_size: dict[int, list[int]], 
         "per_hop_overhead_ms_p50": per_hop_p50,
         "jetstream_relay_floor_ms_p50": floor_ms,
         "noop_hop_vs_relay_floor": per_hop_p50 / floor_ms,  # issue 20's target: at most 1.3
+        "noop_hop_cpu_ms_per_token": noop_cpu_ms,
+        "jetstream_relay_floor_cpu_ms_per_leg": floor.cpu_ms_per_leg,
+        "noop_hop_cpu_vs_relay_floor": noop_cpu_ms / floor.cpu_ms_per_leg,
         "jetstream_relay_floor_with_backend_ms_p50": floor_think_ms,
         "aggregate_decode_tok_s": agg,
         "concurrent8_vs_single_ratio": agg[8] / agg[1],

@@ -100,7 +100,14 @@ def table(result: dict) -> str:
         f"8 sessions vs one: {_range(s['concurrent8_vs_single_ratio'], '.2f')}×. "
         f"Per-hop overhead (no-op hops) p50 {_range(s['per_hop_overhead_ms_p50'], '.2f')} ms, against "
         f"{_range(s['jetstream_relay_floor_ms_p50'], '.2f')} ms for a bare two-process JetStream relay"
-        + (f" ({_range(s['noop_hop_vs_relay_floor'], '.2f')}×)." if "noop_hop_vs_relay_floor" in s else "."),
+        + (f" ({_range(s['noop_hop_vs_relay_floor'], '.2f')}×)" if "noop_hop_vs_relay_floor" in s else "")
+        + (
+            f"; CPU per hop and token {_range(s['noop_hop_cpu_ms_per_token'], '.2f')} ms against the relay's "
+            f"{_range(s['jetstream_relay_floor_cpu_ms_per_leg'], '.2f')} ms per message "
+            f"({_range(s['noop_hop_cpu_vs_relay_floor'], '.2f')}×)."
+            if "noop_hop_cpu_vs_relay_floor" in s
+            else "."
+        ),
     ]
     return "\n".join(lines)
 

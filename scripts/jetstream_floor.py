@@ -53,6 +53,7 @@ class Ring(msgspec.Struct, kw_only=True):
     legs: int
     leg_ms_p50: float  # one message's time from one relay to the other (inflight 1: the latency)
     legs_per_s: float  # legs completed per second by the whole ring (inflight > 1: the throughput)
+    cpu_ms_per_leg: float  # CPU time (user and system) of one relay per message it relayed
 
 
 async def relay(
@@ -64,8 +65,10 @@ async def relay(
     think_ms: float = 0.0,
     mode: str = "js-await",
     inflight: int = 1,
+    cpu: list[float] | None = None,
 ) -> list[float]:
-    """Relay until ``legs`` messages arrived here; the arrival times."""
+    """Relay until ``legs`` messages arrived here; the arrival times (and in ``cpu`` this thread's
+    CPU seconds at the first and at the last arrival)."""
     nc = await nats.connect(url)
     js = nc.jetstream()
     stamps: list[float] = []
@@ -91,6 +94,8 @@ async def relay(
         if done.is_set():  # the other side's last leg: nothing more to relay
             return
         stamps.append(time.perf_counter())
+        if cpu is not None and len(stamps) in (1, legs):
+            cpu.append(time.thread_time())
         if len(stamps) >= legs:
             done.set()
         if think_ms:
@@ -149,8 +154,9 @@ def ring(
             me = [sys.executable, __file__, "--relay", url_b]
             args = ["b", "a", str(legs), "0", str(think_ms), mode, str(inflight)]
             other = subprocess.Popen(me + args, stdout=subprocess.DEVNULL)
+            cpu: list[float] = []
             try:
-                stamps = asyncio.run(relay(url_a, "a", "b", legs, True, think_ms, mode, inflight))
+                stamps = asyncio.run(relay(url_a, "a", "b", legs, True, think_ms, mode, inflight, cpu))
             finally:
                 other.wait(timeout=300)
         finally:
@@ -165,6 +171,7 @@ def ring(
         legs=legs,
         leg_ms_p50=1000 * statistics.median(round_trips) / 2 - think_ms if inflight == 1 else float("nan"),
         legs_per_s=2 * (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+        cpu_ms_per_leg=1000 * (cpu[-1] - cpu[0]) / max(len(stamps) - 1, 1),
     )
 
 
@@ -190,7 +197,7 @@ def main() -> int:
     print(
         f"{r.mode} relay, {r.inflight} in flight, links of {r.delay_ms:g} ms: p50 {r.leg_ms_p50:.3f} ms per leg"
         + (f" beyond {args.think_ms:g} ms of backend time" if args.think_ms else "")
-        + f"; {r.legs_per_s:.1f} legs/s"
+        + f"; {r.legs_per_s:.1f} legs/s; {r.cpu_ms_per_leg:.3f} ms of CPU per leg in a relay"
     )
     return 0
 
