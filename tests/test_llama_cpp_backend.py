@@ -413,6 +413,14 @@ def test_bad_input_raises_typed_errors_and_leaves_other_sessions_intact(tiny_ggu
         head.decode_step("bad", 13, h)  # hidden states to the head
     with pytest.raises(BadInput, match="out of range"):
         head.decode_step("bad", 13, np.array([head.vocab_size], np.int32))
+    with pytest.raises(BadInput, match="out of range"):
+        head.decode_step("bad", 13, np.array([-1], np.int64))  # a decode step's one token is checked too
+    with pytest.raises(BadInput, match="out of range"):
+        head.prefill("bad", 13, np.array([3, head.vocab_size + 5, 4], np.int32))  # one bad id among several
+    with pytest.raises(BadInput, match="token ids"):
+        head.decode_step("bad", 13, np.array([True]))  # bool is no token id
+    with pytest.raises(BadInput, match="token ids"):
+        head.decode_step("bad", 13, np.array([[7]], np.int32))  # 2-D
     with pytest.raises(PositionGap):
         tail.decode_step("bad", 13, h)  # position gap
     with pytest.raises(PositionGap):
@@ -433,8 +441,8 @@ def test_bad_input_raises_typed_errors_and_leaves_other_sessions_intact(tiny_ggu
 
     # The good session continues exactly as if nothing happened.
     out = [
-        tail.decode_step("good", 12 + k, head.decode_step("good", 12 + k, np.array([t], np.int32)))
-        for k, t in enumerate([7, 8])
+        tail.decode_step("good", 12 + k, head.decode_step("good", 12 + k, np.array([t], dtype)))
+        for k, (t, dtype) in enumerate([(7, np.int32), (8, np.uint16)])  # any integer dtype is token ids
     ]
     assert np.array_equal(out[0], ref[1]) and np.array_equal(out[1], ref[2])
     head.close()
