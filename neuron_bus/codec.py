@@ -58,14 +58,15 @@ def _header_to_nats(h: ActivationHeader) -> dict[str, str]:
 
 
 def _header_from_nats(headers: dict[str, str] | None) -> ActivationHeader:
-    text = (headers or {}).get(HEADER)
+    headers = headers or {}
+    text = headers.get(HEADER)
     if text is None:
         raise MalformedMessage(Reason.MISSING_HEADER, f"activation has no {HEADER!r} header")
     try:
         header = _decoder.decode(text)
     except (msgspec.ValidationError, msgspec.DecodeError):
         raise _why_not(text) from None
-    header.mac = headers.get(MAC_HEADER, "") if headers else ""
+    header.mac = headers.get(MAC_HEADER, "")
     if any(d < 0 for d in header.shape) or header.position < 0 or header.seq < 0:
         raise MalformedMessage(Reason.BAD_HEADER, "activation header has a negative shape, position or seq")
     if header.layer_start < 0 or header.layer_end <= header.layer_start:

@@ -30,27 +30,33 @@ def slice_cache_dir() -> Path:
     return models.cache_dir() / "slices"
 
 
+def _parsed(source: str | Path | GGUFModel) -> tuple[GGUFModel, Path]:
+    """The model and the path to load it from: ``source`` parsed now, or already parsed by the caller."""
+    if isinstance(source, GGUFModel):
+        return source, source.paths[0]
+    return GGUFModel(Path(source)), Path(source)
+
+
 def open_range(
     kind: str,
-    path: str | Path,
+    source: str | Path | GGUFModel,
     layer_start: int | None = None,
     layer_end: int | None = None,
     *,
     threads: int = 1,
     cache_dir: str | Path | None = None,
-    model: GGUFModel | None = None,
     **opts,
 ) -> Backend:
-    """A backend of ``kind`` serving layers [layer_start, layer_end) of the model at ``path``.
+    """A backend of ``kind`` serving layers [layer_start, layer_end) of the model ``source``: its
+    path, or the model already parsed by the caller (parsing a large vocabulary takes seconds; the
+    slice check, the layer count and the slicer share one parse).
 
-    ``path`` is a whole model (the range defaults to all of it) or a slice (its own range; asking
+    The model is a whole one (the range defaults to all of it) or a slice (its own range; asking
     for another is refused). llama.cpp backends get a slice of the range, cut once into
-    ``cache_dir`` (default: the cache's ``slices/``). ``model``: the file at ``path`` already
-    parsed by the caller (parsing a large vocabulary takes seconds).
+    ``cache_dir`` (default: the cache's ``slices/``).
     """
 
-    path = Path(path)
-    model = model or GGUFModel(path)  # parsed once: the slice check, the layer count and the slicer share it
+    model, path = _parsed(source)
     info = slice_info(model)
     if info is not None:
         start, end, n_layers = info["layer_start"], info["layer_end"], info["n_layers_total"]
@@ -75,13 +81,12 @@ def open_range(
     return open_backend(kind, path, start, end, threads, n_layers=n_layers, **opts)
 
 
-def open_reference(
-    path: str | Path, *, threads: int = 1, model: GGUFModel | None = None, **opts
-) -> LlamaCppFullBackend:
+def open_reference(source: str | Path | GGUFModel, *, threads: int = 1, **opts) -> LlamaCppFullBackend:
     """The whole model in one llama.cpp process: the reference that routes are compared with
-    (``model``: the file at ``path`` already parsed by the caller)."""
+    (``source``: its path, or the model already parsed by the caller)."""
 
-    if slice_info(model or Path(path)) is not None:
+    model, path = _parsed(source)
+    if slice_info(model) is not None:
         raise UnsupportedModel(f"{path} is a layer-range slice, not a whole model")
     return cast("LlamaCppFullBackend", open_backend("llama-cpp-full", path, threads=threads, **opts))
 

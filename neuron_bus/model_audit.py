@@ -176,7 +176,7 @@ def check_full_inference(
     """Run the whole model on llama.cpp; return (prompt ids, reference logits) when it works."""
     full = None
     try:
-        full = open_reference(audit.path, n_ctx=N_CTX, max_sessions=2, threads=threads, model=model)
+        full = open_reference(model, n_ctx=N_CTX, max_sessions=2, threads=threads)
         cap = full.capability
         audit.cache = CacheFacts(
             cap.cache_abi, cap.cache_bytes_per_token_estimate, cap.cache_fixed_bytes, cap.supports_truncate
@@ -231,7 +231,7 @@ def _open_hops(model: GGUFModel, ranges, tmp, threads):
             hops.append(
                 open_range(
                     "llama-cpp",
-                    model.paths[0],
+                    model,
                     start,
                     end,
                     cache_dir=tmp,
@@ -239,7 +239,6 @@ def _open_hops(model: GGUFModel, ranges, tmp, threads):
                     max_sessions=2,
                     threads=threads,
                     benchmark=False,
-                    model=model,
                 )
             )
     except BaseException:
@@ -362,10 +361,10 @@ def check_torch_boundary(audit: ModelAudit, model: GGUFModel, reference, threads
     split = n // 2
     backends = []
     try:
-        whole = open_range("torch", audit.path, 0, n, threads=threads, benchmark=False, model=model)
+        whole = open_range("torch", model, 0, n, threads=threads, benchmark=False)
         backends.append(whole)
         for start, end in ((0, split), (split, n)):
-            backends.append(open_range("torch", audit.path, start, end, threads=threads, benchmark=False, model=model))
+            backends.append(open_range("torch", model, start, end, threads=threads, benchmark=False))
         prompt = reference[0] if reference is not None else np.array([1, 2, 3, 4], dtype=np.int32)
         expected = _greedy(_through([whole], "audit"), prompt, N_DECODE)
         got = _greedy(_through(backends[1:], "audit"), prompt, N_DECODE)

@@ -94,6 +94,13 @@ class Incoming:
             return codec.session_of(self.headers) or None
 
     @property
+    def route_id(self) -> str:
+        try:
+            return self.header().route_id
+        except MalformedMessage:
+            return ""
+
+    @property
     def rows(self) -> int:
         """The positions it carries, by its header's shape (1 when that is malformed: the engine
         refuses such a message)."""
@@ -210,11 +217,7 @@ class HopEngine:
                 if s.session_id in seen:  # a copy of a step already in this batch
                     raise SessionMismatch(Reason.REPLAYED, f"a second step for session {s.session_id} in one batch")
             except (MalformedMessage, SessionMismatch) as exc:
-                try:
-                    sid, rid = m.header().session_id, m.header().route_id
-                except MalformedMessage:
-                    sid, rid = codec.session_of(m.headers), ""
-                rejected.append(Rejection(m.handle, exc.reason, str(exc), sid, rid))
+                rejected.append(Rejection(m.handle, exc.reason, str(exc), m.session_id or "", m.route_id))
                 continue
             seen.add(s.session_id)
             steps.append(Step(m.handle, s, header, x))
