@@ -4,9 +4,14 @@ A worker heartbeats every `HEARTBEAT_INTERVAL_S`; a client watching its route ca
 after `heartbeat_loss_s(rtt)` of silence: `HEARTBEAT_LOSS_S` (a few missed beats, so one late beat
 does not fail a session) plus four of its measured round trips to that node (a WAN link's delay
 and jitter delay beats too); the tracker stops routing to a node after `NODE_EXPIRY_S`, so a retry that avoids the
-lost node for `AVOID_LOST_S` outlasts the tracker's view of it. An activation nobody acknowledged
-is redelivered after `ACK_WAIT_S`, far beyond any of these: redelivery is a last resort, failures
-are detected by heartbeats.
+lost node for `AVOID_LOST_S` outlasts the tracker's view of it.
+
+An activation the server delivered and nobody acknowledged is redelivered after `ACK_WAIT_S`: a
+delivery lost on its way (the connection or the route it crossed died with a server, mid-write)
+comes again within that, not after a generation's stall timeout. A worker that still holds an
+input (queued behind other work, its output waiting on a full next hop) tells the server so every
+`KEEP_ALIVE_S`, for at most `MAX_HOLD_S`, so a slow input is not sent twice. Failures of nodes are
+detected by heartbeats, not by redelivery.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ HEARTBEAT_LOSS_S = 3 * HEARTBEAT_INTERVAL_S
 LOSS_RTT_FACTOR = 4.0  # over a slow link, beats arrive later and less evenly: room for four round trips
 NODE_EXPIRY_S = 5 * HEARTBEAT_INTERVAL_S
 AVOID_LOST_S = NODE_EXPIRY_S + 3.0
-ACK_WAIT_S = 120.0
+ACK_WAIT_S = 10.0
+KEEP_ALIVE_S = ACK_WAIT_S / 4  # an input held longer than this is reported in progress, every this long
+MAX_HOLD_S = 180.0  # held longer, an input is left to redelivery (a full next hop is waited on for 120 s: flow.py)
 
 
 def heartbeat_loss_s(rtt_s: float | None = None) -> float:

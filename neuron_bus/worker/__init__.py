@@ -9,6 +9,7 @@ core from the process around it):
 - waves.py          which queued decode steps (and prompt chunks) run together as one backend call
 - service.py        the shell: lifecycle, the consumers' queues, the processing loop, reaping
 - consumers.py      the JetStream consumers bound per route
+- holds.py          the inputs delivered and not yet settled, kept alive at the server while held
 - runner.py         where backend calls run (its thread, or inline) and what they cost
 - outbox.py         publishing outcomes, acknowledging inputs, rejections, fatal failures
 - deliveries.py     each session's output delivery in flight (a route's last close waits for them)

@@ -6,7 +6,7 @@ subject's window, topology.py, by default): that window, and the acknowledgement
 once its output was accepted downstream, are what hold a slow hop's upstream. A
 work-queue stream allows one consumer per subject: binding first deletes consumers left on it by
 an earlier binding or a previous run of this node. Every received message becomes an `Incoming`
-on the phase's queue.
+on the phase's queue, its handle held (holds.py) until the worker settles it.
 
 With a per-node credential (``secret``: derived from the node's key) a consumer's name is a MAC of
 its subject: the node finds its own leftovers again after a restart without listing the stream's
@@ -35,6 +35,7 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.timing import ACK_WAIT_S
 from neuron_bus.worker.engine import Incoming
+from neuron_bus.worker.holds import Holds
 
 INACTIVE_S = 30.0  # the server removes a consumer nobody is bound to after this long
 SUBJECT_TAKEN = 10100  # JSConsumerWQConsumerNotUniqueErr: another consumer filters the subject
@@ -48,9 +49,13 @@ class RouteConsumers:
         decode_ack_pending: int,
         prefill_ack_pending: int,
         secret: bytes | None = None,
+        holds: Holds | None = None,
+        ack_wait: float = ACK_WAIT_S,
     ):
         self.js = js
         self.secret = secret
+        self.holds = holds if holds is not None else Holds()  # what was delivered and is not settled
+        self.ack_wait = ack_wait
         self.deliver = deliver  # (phase, message): queue it for the engine
         self.decode_ack_pending = decode_ack_pending
         self.prefill_ack_pending = prefill_ack_pending
@@ -111,7 +116,7 @@ class RouteConsumers:
         """A push consumer on ``subject`` and this node's subscription to it."""
 
         async def received(msg: Msg) -> None:
-            self.deliver(phase, Incoming(msg, msg.headers, msg.data))
+            self.deliver(phase, Incoming(self.holds.hold(msg), msg.headers, msg.data))
 
         name = self.name(subject)
         config = ConsumerConfig(
@@ -121,7 +126,7 @@ class RouteConsumers:
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             max_ack_pending=pending,
-            ack_wait=ACK_WAIT_S,
+            ack_wait=self.ack_wait,
             inactive_threshold=INACTIVE_S,
         )
         try:

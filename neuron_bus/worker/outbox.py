@@ -68,9 +68,11 @@ class Outbox:
                 await out.step.handle.term()
                 return
             log.warning("worker %s: output of %s not sent: %s", self.node_id, out.step.session.session_id, exc)
-            return  # left unacknowledged: redelivered after the ack wait
+            out.step.handle.let_go()  # left unacknowledged: redelivered after the ack wait
+            return
         except Exception as exc:
             log.warning("worker %s: output of %s not sent: %s", self.node_id, out.step.session.session_id, exc)
+            out.step.handle.let_go()
             return
         if not out.finished:
             await out.step.handle.ack()

@@ -161,6 +161,7 @@ class WorkerService:
             asyncio.create_task(self._process_loop(), name="process"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._reap_loop(), name="reaper"),
+            asyncio.create_task(self.consumers.holds.keep_alive(), name="keep-alive"),
         ]
         await self.heartbeat.send(self.queue_depth)
 
