@@ -165,3 +165,35 @@ def _session():
         sampling=M.SamplingParams(max_tokens=4),
     )  # fmt: skip
     return HopSession(open=req, node_id="n")
+
+
+def test_measured_throughput_is_over_the_last_30_seconds_of_each_phase(monkeypatch):
+    from neuron_bus.worker import runner as runner_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(runner_module.time, "monotonic", lambda: clock[0])
+    runner = BackendRunner("n", WorkerMetrics("n"))
+    try:
+
+        def call(phase: str, positions: int, seconds: float) -> None:
+            def fn():
+                clock[0] += seconds
+
+            asyncio.run(runner.compute(fn, phase, positions))
+
+        call("decode", 4, 0.1)  # too few positions to measure
+        assert runner.measured_tps("decode", -1.0) == -1.0
+        call("decode", 6, 0.1)
+        call("prefill", 512, 0.5)
+        assert runner.measured_tps("decode", -1.0) == pytest.approx(10 / 0.2)
+        assert runner.measured_tps("prefill", -1.0) == pytest.approx(512 / 0.5)
+        clock[0] += runner_module.WORK_WINDOW_S - 0.75  # the first decode call (started 30.05 s before) leaves
+        call("decode", 20, 0.1)
+        assert runner.measured_tps("decode", -1.0) == pytest.approx(26 / 0.2)
+        assert runner.measured_tps("prefill", -1.0) == pytest.approx(512 / 0.5)  # started 29.85 s before
+        clock[0] += runner_module.WORK_WINDOW_S + 1  # all of it leaves
+        assert runner.measured_tps("decode", -1.0) == -1.0 and not runner.measures("prefill")
+        call("prefill", 64, 0.25)
+        assert runner.measured_tps("prefill", -1.0) == pytest.approx(64 / 0.25)
+    finally:
+        runner.close()

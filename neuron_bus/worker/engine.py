@@ -83,7 +83,7 @@ class Incoming:
             except MalformedMessage as exc:
                 self._header = exc
         if isinstance(self._header, MalformedMessage):
-            raise self._header
+            raise self._header.with_traceback(None)  # the same refusal each time, not a traceback grown by each raise
         return self._header
 
     @property

@@ -31,6 +31,7 @@ class BackendRunner:
         self._queued = 0  # calls handed to the thread and not finished yet
         self._decode_call_s = float("inf")  # how long the last decode call took
         self._window: deque[tuple[float, str, int, float]] = deque()  # (when, phase, positions, busy s)
+        self._in_window: dict[str, list[float]] = {}  # phase -> [positions, busy s] over the window
 
     async def call(self, fn, *args):
         """Run ``fn(*args)`` on the backend thread (one at a time, in submission order)."""
@@ -61,6 +62,9 @@ class BackendRunner:
             self._decode_call_s = busy
         self.metrics.computed(phase, positions, busy, inline)
         self._window.append((started, phase, positions, busy))
+        total = self._in_window.setdefault(phase, [0.0, 0.0])
+        total[0] += positions
+        total[1] += busy
         return result
 
     @property
@@ -76,10 +80,14 @@ class BackendRunner:
     def _measured_tps(self, phase: str) -> float | None:
         now = time.monotonic()
         while self._window and now - self._window[0][0] > WORK_WINDOW_S:
-            self._window.popleft()
-        work = [(n, busy) for _, p, n, busy in self._window if p == phase]
-        n, busy = sum(w[0] for w in work), sum(w[1] for w in work)
-        if n < MIN_POSITIONS_MEASURED or busy <= 0:
+            _, p, n, busy = self._window.popleft()
+            total = self._in_window[p]
+            total[0] -= n
+            total[1] -= busy
+        if not self._window:
+            self._in_window.clear()  # no rounding left over from the subtractions
+        n, busy = self._in_window.get(phase, (0.0, 0.0))
+        if n < MIN_POSITIONS_MEASURED or busy <= 1e-9:
             return None
         return n / busy
 
