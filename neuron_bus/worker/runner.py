@@ -80,16 +80,16 @@ class BackendRunner:
     def _measured_tps(self, phase: str) -> float | None:
         now = time.monotonic()
         while self._window and now - self._window[0][0] > WORK_WINDOW_S:
-            _, p, n, busy = self._window.popleft()
-            total = self._in_window[p]
-            total[0] -= n
-            total[1] -= busy
+            _, old_phase, old_positions, old_busy = self._window.popleft()
+            total = self._in_window[old_phase]
+            total[0] -= old_positions
+            total[1] -= old_busy
         if not self._window:
             self._in_window.clear()  # no rounding left over from the subtractions
-        n, busy = self._in_window.get(phase, (0.0, 0.0))
-        if n < MIN_POSITIONS_MEASURED or busy <= 1e-9:
+        positions, busy = self._in_window.get(phase, (0.0, 0.0))
+        if positions < MIN_POSITIONS_MEASURED or busy <= 1e-9:
             return None
-        return n / busy
+        return positions / busy
 
     def measures(self, phase: str) -> bool:
         """Whether the window holds enough real work of ``phase`` to measure (else the self-benchmark stands)."""
