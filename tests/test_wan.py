@@ -1,7 +1,8 @@
 """Generations over emulated WAN links (real nats-server, tracker and worker processes, the link
 emulator in its own process): the star at 25 ms per link gives the greedy tokens of 0 ms; a
 worker's link partitioned mid-decode for 2 s (the session goes on, nothing lost or repeated) and
-for 15 s (an explicit failure naming node and phase, within the README's bound); the regional supercluster
+for 15 s (an explicit failure naming node and phase, within the README's bound); a ring step lost on
+a link (cut while it travels) comes again after the ack wait; the regional supercluster
 generates correctly and survives the loss of a region holding no hop of the route; 8 sessions
 started together over 25 ms links all reach their first token within 2 s of each other."""
 
@@ -16,8 +17,9 @@ import pytest
 from neuron_bus import messages as M
 from neuron_bus.client import NeuronClient, RouteError
 from neuron_bus.generation import LIVENESS_CHECK_S
-from neuron_bus.timing import heartbeat_loss_s
+from neuron_bus.timing import ACK_WAIT_S, heartbeat_loss_s
 from neuron_bus.topology import connect
+from neuron_bus.wan.linkem import Shape
 from neuron_bus.wan.topologies import RegionSwarm, StarSwarm
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
@@ -120,6 +122,42 @@ def test_link_partitioned_2s_mid_decode_loses_and_repeats_nothing(star25, refere
         pytest.fail(f"the session ended on a 2 s partition ({mode}): {error.reason} at {error.node_id}")
     assert [d.token_id for d in deltas] == reference(ids, n)
     assert deltas[-1].finished
+
+
+def test_a_ring_step_lost_on_its_way_to_a_hop_comes_again_after_the_ack_wait(star, reference):
+    """The ring's next step is cut off on worker-0's link (300 ms one way down, the rest 0 ms: when
+    the client has a token, the step sent with it is still on that link), as a server that dies
+    mid-write loses it. The server counts it delivered: it comes again after the consumer's ack wait
+    (ACK_WAIT_S), the generation ends with the undisturbed tokens, and nothing is repeated."""
+    ids = reference.tokenizer.encode(PROMPT)
+    n = 16
+    star.shape_all(delay_ms=0.0)
+    star.links.shape("worker-0", up=Shape(), down=Shape(delay_ms=300.0))
+
+    async def scenario():
+        deltas, gaps, last = [], [], time.monotonic()
+        async with await NeuronClient.connect(star.link_url("client")) as c:
+            async for ev in c.generate(prompt_tokens=ids, sampling=greedy(n)):
+                if isinstance(ev, M.TokenDelta):
+                    gaps.append(time.monotonic() - last)
+                    last = time.monotonic()
+                    deltas.append(ev)
+                    if len(deltas) == 6:
+                        await asyncio.to_thread(star.links.partition, "worker-0", "cut")
+                        await asyncio.sleep(0.5)
+                        await asyncio.to_thread(star.links.heal, "worker-0")
+        return deltas, gaps
+
+    try:
+        deltas, gaps = asyncio.run(asyncio.wait_for(scenario(), 90))  # the client's stall timeout is 60 s
+    finally:
+        star.links.heal("worker-0")
+        star.shape_all(delay_ms=0.0)
+    assert [d.index for d in deltas] == list(range(n))
+    assert [d.token_id for d in deltas] == reference(ids, n)
+    # the step was really lost: the next token waited for the redelivery, not for a link of 300 ms
+    assert max(gaps[6:]) >= ACK_WAIT_S * 0.5, gaps
+    print(f"the lost step came again: the next token after {max(gaps[6:]):.1f}s (ack wait {ACK_WAIT_S:.0f}s)")
 
 
 def test_100ms_of_jitter_on_every_link_does_not_fail_a_session(star25, reference):
