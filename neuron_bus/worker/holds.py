@@ -48,6 +48,14 @@ class Held:
         self._holds.settled(self)
         await self.msg.term()
 
+    @property
+    def redelivered(self) -> bool:
+        """Delivered before: a copy the server sent again after its ack wait."""
+        try:
+            return self.msg.metadata.num_delivered > 1
+        except Exception:  # not a JetStream delivery
+            return False
+
     def let_go(self) -> None:
         """Leave it unacknowledged, no longer kept alive: the server delivers it again after its ack wait."""
         self._holds.settled(self)

@@ -53,6 +53,12 @@ class WorkerMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.redelivered = Counter(
+            "neuron_redelivered_copies_total",
+            "Inputs the server delivered again after its ack wait whose first copy this node had taken: terminated, "
+            "neither a rejection nor anything to tell the client",
+            registry=self.registry,
+        )
         self.backend_calls = Counter(
             "neuron_backend_calls_total", "Backend forward calls", ["phase"], registry=self.registry
         )

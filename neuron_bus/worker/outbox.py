@@ -12,7 +12,8 @@
   generation's telemetry (core NATS: the telemetry stream keeps the last one all the same, and
   a token must not wait for it).
 - Rejections: counted by reason, the message terminated, and its session told (non-fatal),
-  without holding up the data path.
+  without holding up the data path. A copy the server delivered again of an input already taken
+  (refused as replayed or out of order) is terminated and counted apart, and nobody is told.
 - Failures: a fatal `SessionError` naming this node and the phase, and the session closed here.
 """
 
@@ -31,6 +32,8 @@ from neuron_bus.worker.session_table import HopSession
 from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.worker")
+
+REDELIVERY_REASONS = (Reason.REPLAYED, Reason.OUT_OF_ORDER)  # what a second copy of a taken input is refused as
 
 
 class Outbox:
@@ -124,9 +127,14 @@ class Outbox:
             self.reject(Rejection(o.step.handle, o.reason, o.message, s.session_id, s.route.route_id))
 
     def reject(self, r: Rejection) -> None:
-        """Count and refuse a message; tell its session's client (non-fatal) if this node holds it."""
-        self.metrics.reject(r.reason)
+        """Count and refuse a message; tell its session's client (non-fatal) if this node holds it.
+        A redelivered copy of an input already taken (its ack lost, or held past the ack wait) is
+        terminated and counted apart: it is not a replay from the wire."""
         self._background.spawn(r.handle.term())
+        if r.reason in REDELIVERY_REASONS and getattr(r.handle, "redelivered", False):
+            self.metrics.redelivered.inc()
+            return
+        self.metrics.reject(r.reason)
         s = self.engine.sessions.get(r.session_id) if r.session_id else None
         if s is None:
             return  # no session of this node: counted, nobody to tell (its owner is unknown here)
