@@ -1,8 +1,7 @@
 """A worker's held inputs (neuron_bus/worker/holds.py) on a real nats-server: an input the worker
 still holds is reported in progress and not delivered twice, however long past the ack wait; one
 it lets go (or one whose delivery was lost on its way) comes again after the ack wait, not after
-a generation's stall timeout, and says so; one held past the longest hold is left to redelivery.
-A redelivered copy of an input already taken is counted apart from replays."""
+a generation's stall timeout, and says so; one held past the longest hold is left to redelivery."""
 
 from __future__ import annotations
 
@@ -15,11 +14,7 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.topology import connect, ensure_topology
 from neuron_bus.worker.consumers import RouteConsumers
-from neuron_bus.worker.engine import Rejection
 from neuron_bus.worker.holds import Holds
-from neuron_bus.worker.metrics import WorkerMetrics
-from neuron_bus.worker.outbox import Outbox
-from workers.errors import Reason
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -110,38 +105,3 @@ def test_an_input_let_go_comes_again_after_the_ack_wait(nats_server):
     (first, again), (second, copy) = arrivals[:2]
     assert ACK_WAIT * 0.9 <= second - first <= 3 * ACK_WAIT, arrivals
     assert not again and copy
-
-
-class FakeHandle:
-    def __init__(self, redelivered: bool):
-        self.redelivered = redelivered
-        self.terminated = False
-
-    async def term(self):
-        self.terminated = True
-
-
-@pytest.mark.parametrize("reason", [Reason.REPLAYED, Reason.OUT_OF_ORDER, Reason.BAD_MAC])
-@pytest.mark.parametrize("redelivered", [False, True])
-def test_a_redelivered_copy_is_terminated_and_counted_apart_from_replays(reason, redelivered):
-    class NC:
-        def jetstream(self):
-            return None
-
-    class Engine:
-        node_id = "w0"
-        sessions: dict = {}
-
-    metrics = WorkerMetrics("w0")
-    outbox = Outbox(NC(), Engine(), None, None, None, None, None, metrics)
-    handle = FakeHandle(redelivered)
-
-    async def scenario():
-        outbox.reject(Rejection(handle, reason, "seq 3 again", "s1", "r1"))
-        await asyncio.sleep(0.01)
-
-    asyncio.run(scenario())
-    assert handle.terminated
-    apart = redelivered and reason != Reason.BAD_MAC  # a forged copy is refused as such, redelivered or not
-    assert metrics.redelivered._value.get() == (1 if apart else 0)
-    assert metrics.rejected_by_reason == ({} if apart else {reason: 1})

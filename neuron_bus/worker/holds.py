@@ -82,7 +82,10 @@ class Holds:
         """Forever: every ``keep_alive_s``, report in progress each input held longer than that."""
         while True:
             await asyncio.sleep(self.keep_alive_s)
-            await self.touch(time.monotonic())
+            try:
+                await self.touch(time.monotonic())
+            except Exception:  # never let one round end the loop
+                log.exception("keeping held inputs alive failed")
 
     async def touch(self, now: float) -> int:
         """Report in progress the inputs held ``keep_alive_s`` or longer; let go those held past

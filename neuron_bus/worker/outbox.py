@@ -6,9 +6,9 @@
   stream accepted its outputs (backpressure: the consumer's ack window bounds what is in flight);
   a session's outputs are delivered one after another, so its chunks never reorder on a full
   next hop's retries. A snapshot due at a step's position is exported before the loop can run
-  the session's next step. An output that cannot be sent leaves its input unacknowledged
-  (redelivered after the ack wait); one that waited on a full next hop while its session closed
-  or moved is dropped. At the tail: the validation event when a generation finishes, and the
+  the session's next step. An output that cannot be sent fails its session (its input already
+  moved the session on: a redelivered copy would be refused); one that waited on a full next hop
+  while its session closed or moved is dropped. At the tail: the validation event when a generation finishes, and the
   generation's telemetry (core NATS: the telemetry stream keeps the last one all the same, and
   a token must not wait for it).
 - Rejections: counted by reason, the message terminated, and its session told (non-fatal),
@@ -70,12 +70,10 @@ class Outbox:
             if exc.reason == Reason.SESSION_GONE:
                 await out.step.handle.term()
                 return
-            log.warning("worker %s: output of %s not sent: %s", self.node_id, out.step.session.session_id, exc)
-            out.step.handle.let_go()  # left unacknowledged: redelivered after the ack wait
+            await self._unsent(out, exc.reason, exc)
             return
         except Exception as exc:
-            log.warning("worker %s: output of %s not sent: %s", self.node_id, out.step.session.session_id, exc)
-            out.step.handle.let_go()
+            await self._unsent(out, Reason.NATS, exc)
             return
         if not out.finished:
             await out.step.handle.ack()
@@ -86,6 +84,21 @@ class Outbox:
             log.warning(
                 "worker %s: last input of %s not confirmed acked: %s", self.node_id, out.step.session.session_id, exc
             )
+
+    async def _unsent(self, out: Output, reason: Reason, exc: Exception) -> None:
+        """An output that could not be sent (the bus unreachable, or the next hop full, for as long as
+        flow.py waits): the session cannot go on here. Its input already moved the session on, so a
+        redelivered copy would be refused as replayed: the input is terminated and the session
+        failed (its client told, if the bus takes the message), in the background, as its close
+        waits for this delivery to end."""
+        s = out.step.session
+        log.warning("worker %s: %s output of %s not sent: %s", self.node_id, s.phase, s.session_id, exc)
+        try:
+            await out.step.handle.term()
+        except Exception:  # the connection is gone: the copy the server sends again is refused
+            out.step.handle.let_go()
+        if self.engine.is_current(s):
+            self._background.spawn(self.fail(s, reason, f"{s.phase} output not sent: {exc}"))
 
     async def _send(self, out: Output) -> None:
         s = out.step.session
@@ -99,10 +112,13 @@ class Outbox:
         for m in out.sends:
             if m.seam:
                 self.metrics.seam(m.seam, "out", len(m.body))
-        if out.token is not None and out.finished and s.tail is not None:
-            await self.trail.validation(s.open, s.tail.generated, out.token.delta.finish_reason)
-        if out.telemetry is not None:
-            await self.nc.publish(S.telemetry(s.open.owner, s.session_id), M.encode(out.telemetry))
+        try:  # side outputs: the step's own went out, so a failure here fails nothing
+            if out.token is not None and out.finished and s.tail is not None:
+                await self.trail.validation(s.open, s.tail.generated, out.token.delta.finish_reason)
+            if out.telemetry is not None:
+                await self.nc.publish(S.telemetry(s.open.owner, s.session_id), M.encode(out.telemetry))
+        except Exception as exc:
+            log.warning("worker %s: validation event or telemetry of %s not sent: %s", self.node_id, s.session_id, exc)
 
     async def _snapshot(self, s: HopSession) -> None:
         """Export the session's cache now (it is at a snapshot position) and upload it in the background."""
