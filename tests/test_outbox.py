@@ -15,7 +15,7 @@ from neuron_bus.errors import NeuronBusError
 from neuron_bus.worker.engine import Output, Rejection, Send, Step
 from neuron_bus.worker.metrics import WorkerMetrics
 from neuron_bus.worker.outbox import Outbox
-from neuron_bus.worker.session_table import HopSession
+from tests.sessions import one_hop_session
 from workers.errors import Reason
 
 
@@ -75,21 +75,6 @@ class FakeLifecycle:
         return 0
 
 
-def session() -> HopSession:
-    route = M.RouteAssignment(
-        route_id="r1",
-        model_preset="tiny",
-        model_revision="v1",
-        n_layers_total=4,
-        hops=[M.RouteHop(node_id="w0", layer_start=0, layer_end=4, subject="", backend_id="b", cache_abi="a")],
-    )
-    req = M.SessionOpen(
-        session_id="s1", route=route, hop_index=0, prompt_tokens=3, n_ctx=8, chunk_size=4,
-        sampling=M.SamplingParams(max_tokens=4),
-    )  # fmt: skip
-    return HopSession(open=req, node_id="w0", position=3)
-
-
 def outbox(nc, engine, lifecycle=None) -> tuple[Outbox, WorkerMetrics]:
     metrics = WorkerMetrics("w0")
     return Outbox(nc, engine, None, lifecycle, None, None, None, metrics), metrics
@@ -125,7 +110,7 @@ def test_an_output_the_bus_does_not_take_fails_its_session(exc, reason, current)
     nc, lifecycle = FakeNC(exc), FakeLifecycle()
     box, _ = outbox(nc, FakeEngine(current), lifecycle)
     handle = FakeHandle()
-    s = session()
+    s = one_hop_session("w0", position=3)
     out = Output(step=Step(handle, s, None, np.zeros((1, 4), np.float32)), sends=[Send("neuron.act.x", b"x")])
 
     async def scenario():

@@ -23,6 +23,7 @@ from neuron_bus.worker.heartbeat import Heartbeat
 from neuron_bus.worker.metrics import WorkerMetrics
 from neuron_bus.worker.node_telemetry import NodeTelemetry
 from neuron_bus.worker.runner import BackendRunner
+from tests.sessions import one_hop_session
 
 UNDER_LOAD_TPS = 0.5  # what a benchmark taken while four models loaded beside it might have said
 
@@ -135,7 +136,7 @@ async def test_a_node_with_sessions_or_real_work_keeps_what_it_measured(nats_ser
         node.runner._window.clear()
         assert node.heartbeat.rebench_due(now)
         # a session open (or the node draining): not idle
-        node.engine.sessions.add(_session())
+        node.engine.sessions.add(one_hop_session())
         assert not node.heartbeat.rebench_due(now)
         node.engine.sessions.pop("s1")
         node.engine.draining = True
@@ -148,23 +149,6 @@ async def test_a_node_with_sessions_or_real_work_keeps_what_it_measured(nats_ser
     finally:
         await node.close()
         await nc.close()
-
-
-def _session():
-    from neuron_bus.worker.session_table import HopSession
-
-    route = M.RouteAssignment(
-        route_id="r",
-        model_preset="tiny",
-        model_revision="v1",
-        n_layers_total=4,
-        hops=[M.RouteHop(node_id="n", layer_start=0, layer_end=4, subject="", backend_id="llama-cpp", cache_abi="a")],
-    )
-    req = M.SessionOpen(
-        session_id="s1", route=route, hop_index=0, prompt_tokens=3, n_ctx=8, chunk_size=4,
-        sampling=M.SamplingParams(max_tokens=4),
-    )  # fmt: skip
-    return HopSession(open=req, node_id="n")
 
 
 def test_measured_throughput_is_over_the_last_30_seconds_of_each_phase(monkeypatch):
