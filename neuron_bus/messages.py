@@ -420,6 +420,7 @@ class SessionsReport(Struct, tag_field="type", tag="sessions"):
     rejected: dict[str, int] = {}
     snapshots_written: int = 0
     snapshot_failures: dict[str, int] = {}  # reason -> count; snapshot writes never block decode
+    redelivered_copies: int = 0  # copies of inputs already taken, sent again by the server: not rejections
 
 
 class Ping(Struct, tag_field="op", tag="ping"):

@@ -103,7 +103,7 @@ class ControlPlane:
         if isinstance(req, M.Ping):
             return M.Pong(node_id=self.node_id, sent_at=req.sent_at)
         if isinstance(req, M.SessionsQuery):
-            return self.lifecycle.report(self.metrics.rejected_by_reason)
+            return self.lifecycle.report(self.metrics.rejected_by_reason, self.metrics.redelivered_copies)
         if isinstance(req, M.TokenizeRequest):
             return await self.tokenize(req)
         if isinstance(req, M.SessionOpen):

@@ -223,7 +223,7 @@ class SessionLifecycle:
         self.metrics.kv_positions.labels("reserved").set(reserved)
         self.metrics.kv_positions.labels("budget").set(budget)
 
-    def report(self, rejected: dict[str, int]) -> M.SessionsReport:
+    def report(self, rejected: dict[str, int], redelivered_copies: int) -> M.SessionsReport:
         """What `neuron-bus sessions NODE` shows: every open session with its position and cache."""
         now = time.monotonic()
         infos = [
@@ -245,4 +245,5 @@ class SessionLifecycle:
             rejected=dict(rejected),
             snapshots_written=self.snapshots.written,
             snapshot_failures=dict(self.snapshots.failures),
+            redelivered_copies=redelivered_copies,
         )

@@ -97,6 +97,7 @@ class WorkerMetrics:
         )
 
         self.rejected_by_reason: dict[str, int] = {}  # the same counts, for `neuron-bus sessions`
+        self.redelivered_copies = 0  # the same count as the redelivered counter, for `neuron-bus sessions`
         self._children: dict[tuple, object] = {}
 
     def child(self, metric, *labels: str):
@@ -110,6 +111,10 @@ class WorkerMetrics:
     def reject(self, reason: Reason) -> None:
         self.rejected.labels(reason).inc()
         self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
+
+    def redelivered_copy(self) -> None:
+        self.redelivered.inc()
+        self.redelivered_copies += 1
 
     def seam(self, phase: str, direction: str, nbytes: int) -> None:
         self.child(self.seam_bytes, phase, direction).inc(nbytes)

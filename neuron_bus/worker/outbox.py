@@ -148,7 +148,7 @@ class Outbox:
         terminated and counted apart: it is not a replay from the wire."""
         self._background.spawn(r.handle.term())
         if r.reason in REDELIVERY_REASONS and getattr(r.handle, "redelivered", False):
-            self.metrics.redelivered.inc()
+            self.metrics.redelivered_copy()
             return
         self.metrics.reject(r.reason)
         s = self.engine.sessions.get(r.session_id) if r.session_id else None
