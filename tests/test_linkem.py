@@ -206,13 +206,17 @@ def test_emulator_process_and_its_overhead_over_nats(nats_server):
         assert em.stats("slow")[0].up.delay_ms == 10
 
         async def rtt() -> float:
+            """The link's round trip: the least of a few (a busy machine's scheduling only adds)."""
             from neuron_bus.topology import connect
 
             nc = await connect(f"nats://127.0.0.1:{port}")
             try:
-                t0 = time.perf_counter()
-                await nc.flush()  # PING/PONG: one round trip through the link
-                return 1000 * (time.perf_counter() - t0)
+                trips = []
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    await nc.flush()  # PING/PONG: one round trip through the link
+                    trips.append(1000 * (time.perf_counter() - t0))
+                return min(trips)
             finally:
                 await nc.close()
 
