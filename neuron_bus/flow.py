@@ -17,9 +17,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from neuron_bus.errors import NeuronBusError
+from neuron_bus.timing import PUBLISH_WAIT_S
 from workers.errors import Reason
-
-MAX_WAIT_S = 120.0
 
 
 def _is_full(exc: APIError) -> bool:
@@ -35,7 +34,7 @@ async def publish(
     body: bytes,
     headers: dict[str, str] | None = None,
     *,
-    max_wait: float = MAX_WAIT_S,
+    max_wait: float = PUBLISH_WAIT_S,
     on_wait=None,
 ) -> int:
     """Publish and wait for the stream's acknowledgement; retry while the subject is full.

@@ -23,7 +23,8 @@ NODE_EXPIRY_S = 5 * HEARTBEAT_INTERVAL_S
 AVOID_LOST_S = NODE_EXPIRY_S + 3.0
 ACK_WAIT_S = 10.0
 KEEP_ALIVE_S = ACK_WAIT_S / 4  # an input held longer than this is reported in progress, every this long
-MAX_HOLD_S = 180.0  # held longer, an input is left to redelivery (a full next hop is waited on for 120 s: flow.py)
+PUBLISH_WAIT_S = 120.0  # a publish into a full next hop, or with no stream answering, is retried this long (flow.py)
+MAX_HOLD_S = PUBLISH_WAIT_S + 60.0  # held longer, an input is left to redelivery
 
 
 def heartbeat_loss_s(rtt_s: float | None = None) -> float:

@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.topology import connect, ensure_topology
 from neuron_bus.worker.consumers import RouteConsumers
 from neuron_bus.worker.holds import Holds
+from tests.sessions import one_hop_route
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -45,11 +45,6 @@ def test_touch_reports_inputs_held_long_enough_and_lets_go_those_held_too_long()
     assert old.progress == 2 and young.progress == 2
 
 
-def route(node: str) -> M.RouteAssignment:
-    hop = M.RouteHop(node_id=node, layer_start=0, layer_end=30, subject="", backend_id="b", cache_abi="a")
-    return M.RouteAssignment(route_id="r1", model_preset="m", model_revision="rev", n_layers_total=30, hops=[hop])
-
-
 async def received_within(nats_server, hold_for: float, settle) -> list[tuple[float, bool]]:
     """Bind a hop's consumers with a short ack wait, publish one decode input, hold what arrives for
     ``hold_for`` seconds (keeping it alive), then ``settle(handle)``; when each delivery came, and
@@ -65,12 +60,11 @@ async def received_within(nats_server, hold_for: float, settle) -> list[tuple[fl
             arrivals.append(time.monotonic())
             handles.append(m.handle)
 
-        consumers = RouteConsumers(nc.jetstream(), deliver, 16, 4, holds=holds, ack_wait=ACK_WAIT)
-        r = route("w0")
-        await consumers.bind(r, 0)
+        consumers = RouteConsumers(nc.jetstream(), deliver, 16, 4, holds, ack_wait=ACK_WAIT)
+        await consumers.bind(one_hop_route("w0"), 0)
         alive = asyncio.create_task(holds.keep_alive())
         t0 = time.monotonic()
-        await nc.jetstream().publish(S.hop_input("w0", "r1", 0, "decode"), b"x")
+        await nc.jetstream().publish(S.hop_input("w0", "r", 0, "decode"), b"x")
         while not arrivals:
             await asyncio.sleep(0.01)
         await asyncio.sleep(hold_for)

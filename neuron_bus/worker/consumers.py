@@ -48,13 +48,13 @@ class RouteConsumers:
         deliver: Callable[[str, Incoming], None],
         decode_ack_pending: int,
         prefill_ack_pending: int,
+        holds: Holds,
         secret: bytes | None = None,
-        holds: Holds | None = None,
         ack_wait: float = ACK_WAIT_S,
     ):
         self.js = js
         self.secret = secret
-        self.holds = holds if holds is not None else Holds()  # what was delivered and is not settled
+        self.holds = holds  # what was delivered and is not settled
         self.ack_wait = ack_wait
         self.deliver = deliver  # (phase, message): queue it for the engine
         self.decode_ack_pending = decode_ack_pending

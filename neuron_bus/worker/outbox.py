@@ -95,8 +95,8 @@ class Outbox:
         log.warning("worker %s: %s output of %s not sent: %s", self.node_id, s.phase, s.session_id, exc)
         try:
             await out.step.handle.term()
-        except Exception:  # the connection is gone: the copy the server sends again is refused
-            out.step.handle.let_go()
+        except Exception:  # the connection is gone: a copy the server sends again is refused as replayed
+            pass
         if self.engine.is_current(s):
             self._background.spawn(self.fail(s, reason, f"{s.phase} output not sent: {exc}"))
 
@@ -147,7 +147,7 @@ class Outbox:
         A redelivered copy of an input already taken (its ack lost, or held past the ack wait) is
         terminated and counted apart: it is not a replay from the wire."""
         self._background.spawn(r.handle.term())
-        if r.reason in REDELIVERY_REASONS and getattr(r.handle, "redelivered", False):
+        if r.reason in REDELIVERY_REASONS and r.handle.redelivered:
             self.metrics.redelivered_copy()
             return
         self.metrics.reject(r.reason)

@@ -33,6 +33,7 @@ from neuron_bus.worker.control import ControlPlane
 from neuron_bus.worker.deliveries import Deliveries
 from neuron_bus.worker.engine import EngineOptions, Failed, Gone, HopEngine, Incoming, Output
 from neuron_bus.worker.heartbeat import Heartbeat
+from neuron_bus.worker.holds import Holds
 from neuron_bus.worker.lifecycle import SessionLifecycle
 from neuron_bus.worker.metrics import WorkerMetrics
 from neuron_bus.worker.mover import Mover, Reload
@@ -104,11 +105,13 @@ class WorkerService:
         self._work = asyncio.Event()
         self.waves = DecodeWaves(self.queues["decode"], self._work, self.opts.max_decode_batch, self.opts.batch_wait_ms)
         identity = identity_of(nc)
+        self.holds = Holds()  # what the consumers delivered and the worker has not settled
         self.consumers = RouteConsumers(
             self.js,
             self._queue,
             self.opts.decode_ack_pending,
             self.opts.prefill_ack_pending,
+            self.holds,
             secret=identity.secret if identity is not None else None,
         )
         self.node_telemetry = NodeTelemetry(self.node_id)
@@ -161,7 +164,7 @@ class WorkerService:
             asyncio.create_task(self._process_loop(), name="process"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._reap_loop(), name="reaper"),
-            asyncio.create_task(self.consumers.holds.keep_alive(), name="keep-alive"),
+            asyncio.create_task(self.holds.keep_alive(), name="keep-alive"),
         ]
         await self.heartbeat.send(self.queue_depth)
 
