@@ -174,6 +174,13 @@ def heartbeat(node_id: str, a: int, b: int, seq: int = 1, **kw) -> messages.Node
     )
 
 
+def one_hop(route_id: str, node_id: str) -> messages.RouteAssignment:
+    hop = messages.RouteHop(node_id=node_id, layer_start=0, layer_end=30, subject="s", backend_id="x", cache_abi="y")
+    return messages.RouteAssignment(
+        route_id=route_id, model_preset="smollm2-135m", model_revision="r1", n_layers_total=30, hops=[hop]
+    )
+
+
 def test_registry_keeps_the_index_exact_through_heartbeats_expiry_and_assignments():
     reg = Registry(TrackerParams(expiry=5.0, forget_after=60.0))
     for name in ("a", "b"):
@@ -187,13 +194,7 @@ def test_registry_keeps_the_index_exact_through_heartbeats_expiry_and_assignment
     reg.expire(6.5)  # b's last heartbeat was at 1.0
     assert reg.index.view("b") is None and reg.index.view("a") is not None
     assert reg.sweep(6.5) == (["a", "b"], ["b"])
-    route = messages.RouteAssignment(
-        route_id="r",
-        model_preset="smollm2-135m",
-        model_revision="r1",
-        n_layers_total=30,
-        hops=[messages.RouteHop(node_id="a", layer_start=0, layer_end=30, subject="s", backend_id="x", cache_abi="y")],
-    )
+    route = one_hop("r", "a")
     reg.record_assignment(route, now=7.0)
     assert reg.index.view("a").recently_assigned == 1
     reg.forget_assignment(route, 7.0, now=7.1)
@@ -304,6 +305,73 @@ def test_node_entries_are_built_ahead_for_a_forked_map_and_again_only_for_nodes_
     assert reg.build_tracked(limit=0) == 1  # b's entry only: the forgotten nodes' are dropped
     assert reg.build_tracked(limit=5) == 0
     assert next(r.tracked for r in reg.records()).alive is False
+
+
+def test_a_node_with_assignments_is_refiled_only_while_they_count_as_its_load():
+    """An assignment counts on its node until a heartbeat a grace after it shows the session;
+    it stays in the node's record for the assignment window (the coverage map shows it), but
+    heartbeats that change nothing, and the window's end, no longer refile the node then."""
+    reg = Registry(TrackerParams(expiry=5.0, forget_after=100.0, assignment_window=30.0, assignment_grace=1.0))
+    reg.apply_report(report("a", 0, 30), now=0.0)
+    reg.apply_heartbeat(heartbeat("a", 0, 30, decode_tokens_per_second=50.0), now=1.0)
+    reg.record_assignment(one_hop("r1", "a"), now=1.5)
+    reg.record_assignment(one_hop("r2", "a"), now=1.6)
+    assert reg.index.view("a").recently_assigned == 2
+    hb = {"decode_tokens_per_second": 50.0, "sessions_active": 1}
+    reg.apply_heartbeat(heartbeat("a", 0, 30, seq=2, **hb), now=2.0)
+    assert reg.index.view("a").recently_assigned == 1  # one shown by the heartbeat's rise, one not yet
+    reg.apply_heartbeat(heartbeat("a", 0, 30, seq=3, **hb), now=2.55)
+    assert reg.index.view("a").recently_assigned == 1  # the grace has passed the first only
+    reg.apply_heartbeat(heartbeat("a", 0, 30, seq=4, **hb), now=3.0)
+    assert reg.index.view("a").recently_assigned == 0  # the grace has passed both
+
+
+def test_heartbeats_and_the_window_end_do_not_refile_a_node_whose_assignments_no_longer_count():
+    """The node stays where the index filed it, with the same coverage entry (nothing to build
+    again for the next map), while its assignment sits out the window uncounted."""
+    reg = Registry(TrackerParams(expiry=50.0, forget_after=100.0, assignment_window=30.0, assignment_grace=1.0))
+    reg.apply_report(report("a", 0, 30), now=0.0)
+    reg.apply_heartbeat(heartbeat("a", 0, 30, decode_tokens_per_second=50.0), now=1.0)
+    reg.record_assignment(one_hop("r1", "a"), now=1.5)
+    reg.apply_heartbeat(heartbeat("a", 0, 30, seq=2, decode_tokens_per_second=50.0, sessions_active=1), now=3.0)
+    assert reg.index.view("a").recently_assigned == 0
+    reg.build_tracked(limit=10)
+    filed = reg.index.view("a")
+    (entry,) = [r.tracked for r in reg.records()]
+    for seq, now in enumerate((4.0, 5.0, 6.0), start=3):
+        reg.apply_heartbeat(heartbeat("a", 0, 30, seq=seq, decode_tokens_per_second=50.0, sessions_active=1), now=now)
+    reg.expire(32.0)  # the assignment's window ends: it had stopped counting long before
+    assert reg.index.view("a") is filed
+    assert [r.tracked for r in reg.records()] == [entry] and reg.records()[0].tracked is entry
+    assert reg.records()[0].assigned == ()
+    reg.record_assignment(one_hop("r3", "a"), now=33.0)  # a new one counts at once
+    assert reg.index.view("a").recently_assigned == 1
+
+
+def test_pending_assignments_counted_from_the_newest_agree_with_counting_them_all():
+    rng = random.Random(7)
+    params = TrackerParams(expiry=1e9, forget_after=1e9, assignment_window=30.0, assignment_grace=1.0)
+    reg = Registry(params)
+    reg.apply_report(report("a", 0, 30), now=0.0)
+    now, seq, sessions = 0.0, 0, 0
+    for _ in range(2000):
+        now += rng.uniform(0.0, 0.4)
+        if rng.random() < 0.3:
+            seq += 1
+            sessions = max(0, sessions + rng.randint(-1, 3))
+            reg.apply_heartbeat(heartbeat("a", 0, 30, seq=seq, sessions_active=sessions), now=now)
+        else:
+            reg.record_assignment(one_hop(f"r{_}", "a"), now=now)
+        reg.expire(now)
+        (record,) = reg.records()
+        last, opened = record.last_seen, record.opened
+        recent = [
+            t
+            for t in record.assigned
+            if now - t <= params.assignment_window and (last is None or t > last - params.assignment_grace)
+        ]
+        expected = len(recent) - (min(sum(1 for t in recent if t <= last), opened) if last is not None else 0)
+        assert reg.index.view("a").recently_assigned == expected
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,9 @@ the route index (index.py), so route requests never scan the table.
 Cost, n nodes (m replicas in a node's range):
 - ``apply_heartbeat``: O(1) when it changes nothing that matters (most heartbeats: the node is
   only marked alive), else O(1) plus the index's O(log m); ``apply_report``, ``record_rtt``: the
-  same; ``record_assignment``: the same per hop.
+  same; ``record_assignment``: the same per hop. A node's assignments stay in its record for the
+  assignment window (30 s) but count as its load only until a heartbeat a grace (1 s) later:
+  after that its heartbeats are O(1) again, and the window's end refiles nothing.
 - ``expire`` (before every plan and report, and every 0.25 s): O(1 + what changed): nodes are
   kept in order of their last heartbeat, so only the ones past the expiry are looked at; dead
   nodes in order of death, for forgetting; assignments in time order, for the end of their window.
@@ -107,7 +109,7 @@ class Registry:
         if entry.was_alive and previous is not None and _sent_before(hb, previous):
             self.late_heartbeats += 1
             return
-        same = entry.was_alive and not entry.assigned and _same_state(entry.filed, hb)
+        same = entry.was_alive and _same_state(entry.filed, hb)
         entry.opened = max(0, hb.sessions_active - previous.sessions_active) if previous is not None else 0
         entry.heartbeat = hb
         entry.last_seen = now
@@ -117,7 +119,9 @@ class Registry:
             self._silent.pop(node_id, None)
         self._heard[node_id] = None
         self._heard.move_to_end(node_id)
-        if not same:  # most heartbeats say nothing new to the index: liveness is read from last_seen
+        # Most heartbeats say nothing new to the index (liveness is read from last_seen); a node's
+        # assignments move it only while they count as its load (the view filed is exact without).
+        if not same or (entry.assigned and not self._pending_filed(entry, now)):
             self._refile(node_id, entry, now)
 
     def record_rtt(self, node_id: str, rtt: float, now: float) -> None:
@@ -217,7 +221,8 @@ class Registry:
             if assigned is not None:
                 while assigned.assigned and now - assigned.assigned[0] > p.assignment_window:
                     assigned.assigned.popleft()
-                self._refile(node_id, assigned, now)
+                if not self._pending_filed(assigned, now):  # it counted long ago, if ever: usually
+                    self._refile(node_id, assigned, now)
 
     def records(self, model_preset: str | None = None) -> list[Record]:
         """Every node with a report, in the coverage map's order (model, first layer, id), copied
@@ -298,17 +303,31 @@ class Registry:
             consistent=entry.heartbeat is None or hb is not None,
         )
 
+    def _pending_filed(self, entry: _Entry, now: float) -> bool:
+        """The filed view counts the node's pending assignments as they are now: nothing to refile
+        for them. O(1) without assignments made since the last heartbeat's grace started."""
+        view = entry.view
+        return view is not None and view.recently_assigned == self._pending_assignments(entry, now)
+
     def _pending_assignments(self, entry: _Entry | Record, now: float) -> int:
         """Recent assignments no heartbeat has reported yet (see TrackerParams): those made after
         the last heartbeat's grace started, less the ones its rise in sessions already shows
-        (made before it arrived, at most as many as it reported more sessions than the previous)."""
+        (made before it arrived, at most as many as it reported more sessions than the previous).
+        O(those counted): the assignments are in time order, newest last, and an assignment a
+        heartbeat's grace has passed never counts again (a node's last heartbeat only moves on)."""
         if not entry.assigned:
             return 0
         p = self.params
         last = entry.last_seen
         if last is None:
             return sum(1 for t in entry.assigned if now - t <= p.assignment_window)
-        recent = [t for t in entry.assigned if now - t <= p.assignment_window and t > last - p.assignment_grace]
+        since = last - p.assignment_grace
+        recent = []
+        for t in reversed(entry.assigned):
+            if t <= since:
+                break
+            if now - t <= p.assignment_window:
+                recent.append(t)
         shown = min(sum(1 for t in recent if t <= last), entry.opened)
         return len(recent) - shown
 
