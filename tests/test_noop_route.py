@@ -53,4 +53,6 @@ def test_noop_route_decodes_inline_in_waves(smollm2_path, tmp_path):
     # decode calls ran on the event loop (the first one, on the thread, showed they are quick), except
     # while the backend thread had other work (opening a session, a prefill chunk)
     assert all(c / 2 < i <= c for i, c in zip(inline, calls)), (inline, calls)
-    assert all(c < s for c, s in zip(calls, steps)), "the eight sessions' steps were never batched"
+    assert all(c < s for c, s in zip(calls, steps)), (
+        f"the eight sessions' steps were never batched: {calls} calls, {steps} steps"
+    )

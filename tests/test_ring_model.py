@@ -71,3 +71,21 @@ def test_when_compute_is_negligible_the_fewest_waves_stay():
     for rows, us in ((1, 40.0), (4, 60.0)):
         cost.observe(rows, us / 1e6)
     assert best_wave_count(8, 2, 8, 0.002, cost, current=1) == 2
+
+
+@pytest.mark.parametrize("links_over_call", [1, 3, 6, 10, 17, 18, 60])
+def test_a_guess_from_one_size_never_keeps_running_that_size(links_over_call):
+    """A lone session's calls (one row each) are the only ones measured when eight sessions
+    start: whatever the links, the plan runs a size it has not seen, and the fitted line takes
+    over from the guess. (With links 6-17 times a call the guess once chose eight waves of one,
+    and with only one-row calls ever measured it chose them for good: the head never batched.)"""
+    call = 1e-4
+    cost = CallCost()
+    cost.observe(1, call)
+    count = best_wave_count(8, 2, 8, links_over_call * call, cost, current=2)
+    assert -(-8 // count) != 1
+    cost.observe(-(-8 // count), call * 1.2)  # no-op hops: a bigger call costs about the same
+    assert best_wave_count(8, 2, 8, links_over_call * call, cost, current=count) == count
+    one_size = CallCost()
+    one_size.observe(8, 0.036)  # the default's size (16 on 2 hops): the guess may move away from it
+    assert best_wave_count(16, 2, 8, 0.100, one_size, current=2) > 2

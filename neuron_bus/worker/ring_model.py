@@ -101,7 +101,12 @@ def best_wave_count(n: int, hops: int, max_batch: int, links_s: float | None, co
     shortest ``current`` if it is one, else the fewest (each backend call also costs the hop's
     shell a pass of admission and publishing, which the call's cost does not show: when compute
     is negligible, as with no-op hops, every count's round is the links' and batching stays);
-    never waves bigger than ``max_batch``."""
+    never waves bigger than ``max_batch``.
+
+    With calls of one size measured, the line is a guess (``CallCost``): a count that would run
+    that size again is not taken on it, or the guess could never be corrected (a lone session's
+    calls of one row made a guess in which batching cost as much as it saves; eight sessions
+    then ran in eight waves of one, for good). One wave per hop is run instead, a second size."""
     fewest = max(1, -(-n // max(1, max_batch)))
     default = max(fewest, min(n, hops))
     if n <= hops or links_s is None or cost.line() is None:
@@ -110,4 +115,7 @@ def best_wave_count(n: int, hops: int, max_batch: int, links_s: float | None, co
     rounds = {w: round_s(n, w, hops, links_s, cost) for w in counts if w >= default}
     shortest = min(rounds.values())
     near = [w for w in rounds if rounds[w] <= KEEP_WITHIN * shortest]  # as good, give or take 5%
-    return current if current in near else min(near)  # else the fewest: calls cost the shell too
+    best = current if current in near else min(near)  # else the fewest: calls cost the shell too
+    if len(cost.mean_s) == 1 and -(-n // best) in cost.mean_s:
+        return default
+    return best
