@@ -20,6 +20,7 @@ from neuron_bus.tracker.planner import Plan, plan_indexed, plan_route
 from neuron_bus.tracker.registry import Registry
 from neuron_bus.tracker.ring import cheapest_ring
 from neuron_bus.tracker.view import NodeView
+from tests.sessions import one_hop_route
 from tests.test_planner import report, request
 
 P = TrackerParams()
@@ -174,13 +175,6 @@ def heartbeat(node_id: str, a: int, b: int, seq: int = 1, **kw) -> messages.Node
     )
 
 
-def one_hop(route_id: str, node_id: str) -> messages.RouteAssignment:
-    hop = messages.RouteHop(node_id=node_id, layer_start=0, layer_end=30, subject="s", backend_id="x", cache_abi="y")
-    return messages.RouteAssignment(
-        route_id=route_id, model_preset="smollm2-135m", model_revision="r1", n_layers_total=30, hops=[hop]
-    )
-
-
 def test_registry_keeps_the_index_exact_through_heartbeats_expiry_and_assignments():
     reg = Registry(TrackerParams(expiry=5.0, forget_after=60.0))
     for name in ("a", "b"):
@@ -194,7 +188,7 @@ def test_registry_keeps_the_index_exact_through_heartbeats_expiry_and_assignment
     reg.expire(6.5)  # b's last heartbeat was at 1.0
     assert reg.index.view("b") is None and reg.index.view("a") is not None
     assert reg.sweep(6.5) == (["a", "b"], ["b"])
-    route = one_hop("r", "a")
+    route = one_hop_route("a")
     reg.record_assignment(route, now=7.0)
     assert reg.index.view("a").recently_assigned == 1
     reg.forget_assignment(route, 7.0, now=7.1)
@@ -314,8 +308,8 @@ def test_a_node_with_assignments_is_refiled_only_while_they_count_as_its_load():
     reg = Registry(TrackerParams(expiry=5.0, forget_after=100.0, assignment_window=30.0, assignment_grace=1.0))
     reg.apply_report(report("a", 0, 30), now=0.0)
     reg.apply_heartbeat(heartbeat("a", 0, 30, decode_tokens_per_second=50.0), now=1.0)
-    reg.record_assignment(one_hop("r1", "a"), now=1.5)
-    reg.record_assignment(one_hop("r2", "a"), now=1.6)
+    reg.record_assignment(one_hop_route("a"), now=1.5)
+    reg.record_assignment(one_hop_route("a"), now=1.6)
     assert reg.index.view("a").recently_assigned == 2
     hb = {"decode_tokens_per_second": 50.0, "sessions_active": 1}
     reg.apply_heartbeat(heartbeat("a", 0, 30, seq=2, **hb), now=2.0)
@@ -332,7 +326,7 @@ def test_heartbeats_and_the_window_end_do_not_refile_a_node_whose_assignments_no
     reg = Registry(TrackerParams(expiry=50.0, forget_after=100.0, assignment_window=30.0, assignment_grace=1.0))
     reg.apply_report(report("a", 0, 30), now=0.0)
     reg.apply_heartbeat(heartbeat("a", 0, 30, decode_tokens_per_second=50.0), now=1.0)
-    reg.record_assignment(one_hop("r1", "a"), now=1.5)
+    reg.record_assignment(one_hop_route("a"), now=1.5)
     reg.apply_heartbeat(heartbeat("a", 0, 30, seq=2, decode_tokens_per_second=50.0, sessions_active=1), now=3.0)
     assert reg.index.view("a").recently_assigned == 0
     reg.build_tracked(limit=10)
@@ -344,7 +338,7 @@ def test_heartbeats_and_the_window_end_do_not_refile_a_node_whose_assignments_no
     assert reg.index.view("a") is filed
     assert [r.tracked for r in reg.records()] == [entry] and reg.records()[0].tracked is entry
     assert reg.records()[0].assigned == ()
-    reg.record_assignment(one_hop("r3", "a"), now=33.0)  # a new one counts at once
+    reg.record_assignment(one_hop_route("a"), now=33.0)  # a new one counts at once
     assert reg.index.view("a").recently_assigned == 1
 
 
@@ -361,7 +355,7 @@ def test_pending_assignments_counted_from_the_newest_agree_with_counting_them_al
             sessions = max(0, sessions + rng.randint(-1, 3))
             reg.apply_heartbeat(heartbeat("a", 0, 30, seq=seq, sessions_active=sessions), now=now)
         else:
-            reg.record_assignment(one_hop(f"r{_}", "a"), now=now)
+            reg.record_assignment(one_hop_route("a"), now=now)
         reg.expire(now)
         (record,) = reg.records()
         last, opened = record.last_seen, record.opened
