@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from neuron_bus.worker.ring_model import CallCost, RingLinks, best_wave_count, round_s
+from neuron_bus.worker.ring_model import CallCost, RingLinks, best_wave_count, round_s, wave_size
 
 
 def smollm2_like() -> CallCost:
@@ -83,8 +83,8 @@ def test_a_guess_from_one_size_never_keeps_running_that_size(links_over_call):
     cost = CallCost()
     cost.observe(1, call)
     count = best_wave_count(8, 2, 8, links_over_call * call, cost, current=2)
-    assert -(-8 // count) != 1
-    cost.observe(-(-8 // count), call * 1.2)  # no-op hops: a bigger call costs about the same
+    assert wave_size(8, count) != 1
+    cost.observe(wave_size(8, count), call * 1.2)  # no-op hops: a bigger call costs about the same
     assert best_wave_count(8, 2, 8, links_over_call * call, cost, current=count) == count
     one_size = CallCost()
     one_size.observe(8, 0.036)  # the default's size (16 on 2 hops): the guess may move away from it

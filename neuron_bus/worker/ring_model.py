@@ -88,9 +88,14 @@ class RingLinks:
         return min(self._samples) if self._samples else None
 
 
+def wave_size(n: int, waves: int) -> int:
+    """Steps in each of ``waves`` waves of ``n`` sessions (the last may be short)."""
+    return -(-n // waves)
+
+
 def round_s(n: int, waves: int, hops: int, links_s: float, cost) -> float:
     """One round of ``n`` sessions' steps in ``waves`` waves (see the module's docstring)."""
-    size = -(-n // waves)
+    size = wave_size(n, waves)
     c = cost(size)
     return max(links_s + hops * c, -(-n // size) * c)
 
@@ -116,6 +121,6 @@ def best_wave_count(n: int, hops: int, max_batch: int, links_s: float | None, co
     shortest = min(rounds.values())
     near = [w for w in rounds if rounds[w] <= KEEP_WITHIN * shortest]  # as good, give or take 5%
     best = current if current in near else min(near)  # else the fewest: calls cost the shell too
-    if len(cost.mean_s) == 1 and -(-n // best) in cost.mean_s:
+    if len(cost.mean_s) == 1 and wave_size(n, best) in cost.mean_s:
         return default
     return best

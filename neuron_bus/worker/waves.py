@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from neuron_bus.worker.engine import Incoming
-from neuron_bus.worker.ring_model import CallCost, RingLinks, best_wave_count
+from neuron_bus.worker.ring_model import CallCost, RingLinks, best_wave_count, wave_size
 
 LATER_HOP_WAIT_MS = 1.0  # a wave's steps leave the previous hop together: a moment is enough
 PREFILL_BATCH_ROWS = 512  # prompt positions of one prefill batch (more when its first chunk alone is longer)
@@ -85,7 +85,7 @@ class DecodeWaves:
         hops = max(len(s.route.hops) for s in decoding)
         n = len(decoding)
         self.count = best_wave_count(n, hops, self.max_batch, self.links.latency(), self.cost, self.count)
-        size = max(1, min(self.max_batch, -(-n // self.count)))
+        size = max(1, min(self.max_batch, wave_size(n, self.count)))
         heads = sorted((s for s in decoding if s.is_head), key=lambda s: backend.batch_rank(s.session_id))
         return size, {s.session_id: i // size for i, s in enumerate(heads)}
 
