@@ -198,6 +198,21 @@ class NodeHeartbeat(Struct):
         )
 
 
+class HeartbeatRelay(Struct):
+    """Heartbeats one tracker took from the queue group, passed on to the other trackers in one
+    message (tracker/beats.py): whole, or as the node's id alone when the heartbeat told the
+    tracker nothing new but that the node is alive. An empty one says that its tracker is there."""
+
+    tracker_id: str
+    heartbeats: list[NodeHeartbeat] = []
+    alive: list[str] = []  # nodes whose heartbeat changed nothing a route is planned on
+
+    def __post_init__(self) -> None:
+        _require(
+            bool(_ID.match(self.tracker_id)), f"tracker_id {self.tracker_id[:40]!r} is not 1-128 of A-Z a-z 0-9 _ -"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Routes
 
@@ -878,6 +893,7 @@ class CoverageReport(Struct, tag_field="type", tag="coverage"):
 ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     CapabilityReport,
     NodeHeartbeat,
+    HeartbeatRelay,
     RouteRequest,
     RouteAssignment,
     RouteRejection,

@@ -29,6 +29,7 @@ LEASE_TTL_S = 10.0  # the leases bucket's max age: a holder that stops renewing 
 ROUTE_REQUEST = f"{ROOT}.route.request"  # request/reply to the tracker
 ROUTE_ASSIGN_ALL = f"{ROOT}.route.assign.>"  # every tracker follows every assignment (load)
 TRACKER_COVERAGE = f"{ROOT}.tracker.coverage"  # request/reply: CoverageRequest -> CoverageReport
+TRACKER_HEARTBEATS = f"{ROOT}.tracker.heartbeats"  # HeartbeatRelay: heartbeats one tracker took, for the others
 TRACKER_PLACE = f"{ROOT}.tracker.place"  # request/reply: PlacementRequest -> PlacementDecision | PlacementRejection
 PLACEMENT_DECISIONS = f"{ROOT}.placement.decisions"  # every PlacementDecision, for operators
 NODE_ANNOUNCE_ALL = f"{ROOT}.node.*.caps"

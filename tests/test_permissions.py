@@ -125,6 +125,51 @@ def cli_server(store: Path, *options: str):
         proc.wait(20)
 
 
+async def _tracker_subjects(url: str, passwords: dict[str, str]) -> dict:
+    admin = await connect(role_url(url, "admin", passwords["admin"]))
+    violations: list[str] = []
+
+    async def on_error(exc):
+        violations.append(str(exc))
+
+    def as_role(role):
+        return nats.connect(servers=[role_url(url, role, passwords[role])], error_cb=on_error, max_reconnect_attempts=0)
+
+    tracker, other_tracker, worker = await as_role("tracker"), await as_role("tracker"), await as_role("worker")
+    relays: list[bytes] = []
+    decisions: list[bytes] = []
+
+    async def on_relay(msg):
+        relays.append(msg.data)
+
+    async def on_place(msg):
+        await msg.respond(b"placed")
+
+    async def on_decision(msg):
+        decisions.append(msg.data)
+
+    await other_tracker.subscribe(S.TRACKER_HEARTBEATS, cb=on_relay)
+    await tracker.subscribe(S.TRACKER_PLACE, cb=on_place)
+    await admin.subscribe(S.PLACEMENT_DECISIONS, cb=on_decision)
+    for nc in (admin, tracker, other_tracker):
+        await nc.flush()
+    await tracker.publish(S.TRACKER_HEARTBEATS, b"from a tracker")
+    await worker.publish(S.TRACKER_HEARTBEATS, b"from a worker")  # a node cannot pass itself off as a tracker
+    await tracker.publish(S.PLACEMENT_DECISIONS, b"decided")
+    placed = (await worker.request(S.TRACKER_PLACE, b"where?", timeout=3)).data  # a --layers auto worker
+    await asyncio.sleep(0.3)
+    for nc in (worker, other_tracker, tracker, admin):
+        await nc.close()
+    return {"relays": relays, "decisions": decisions, "placed": placed, "violations": violations}
+
+
+def test_trackers_pass_heartbeats_on_and_answer_placement_and_a_worker_cannot_forge_a_relay(auth_server):
+    srv, passwords = auth_server
+    got = asyncio.run(_tracker_subjects(srv.url, passwords))
+    assert got["relays"] == [b"from a tracker"] and got["decisions"] == [b"decided"] and got["placed"] == b"placed", got
+    assert any(S.TRACKER_HEARTBEATS in v for v in got["violations"]), got["violations"]
+
+
 def test_wrong_password_is_refused(auth_server):
     srv, passwords = auth_server
 

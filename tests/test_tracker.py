@@ -413,6 +413,22 @@ def test_a_heartbeat_sent_before_the_one_applied_is_dropped():
     assert reg.late_heartbeats == 1
 
 
+def test_an_id_passed_on_keeps_a_node_alive_here_only_if_it_is_alive_with_its_state_here():
+    reg, caps = Registry(PARAMS), report("n", 0, 30)
+    reg.apply_report(caps, now=0.0)
+    assert not reg.touch("n", now=0.1) and not reg.touch("unknown", now=0.1)  # no heartbeat here yet
+    assert reg.live_ids(now=0.1) == []
+    hb = messages.NodeHeartbeat(node_id="n", seq=1, ts=1.0, layer_start=0, layer_end=30, cache_abi=caps.cache_abi)
+    assert reg.apply_heartbeat(hb, now=0.2)  # its first: new
+    assert not reg.apply_heartbeat(msgspec.structs.replace(hb, seq=2, ts=2.0), now=0.4)  # the same state
+    assert reg.touch("n", now=0.9 * EXPIRY + 0.4)  # liveness alone, past the expiry of the last heartbeat
+    assert reg.live_ids(now=1.2 * EXPIRY + 0.4) == ["n"]
+    assert reg.last_heartbeat("n").seq == 2
+    reg.expire(now=3 * EXPIRY)
+    # dead here: only a whole heartbeat revives it
+    assert reg.live_ids(now=3 * EXPIRY) == [] and not reg.touch("n", now=3 * EXPIRY)
+
+
 async def test_pings_measure_round_trips_to_nodes(bus):
     nc = await connect(bus.url, max_reconnect_attempts=1)
     service = TrackerService(nc, TrackerParams(expiry=EXPIRY, ping_interval=0.1))

@@ -8,6 +8,8 @@
   dead tracker once more, with the same request id), and no route it assigned is lost.
 - Trackers sharing the requests count each other's assignments (spreading works across them),
   a request asked twice gets the same route, and one of them holds the placement lease.
+- Each heartbeat reaches one of three trackers, which passes it on to the other two (mostly as
+  the node's id); a lone tracker passes nothing on; a malformed relay changes nothing.
 - The simulator's CPU figure of a process includes its reaped children (a tracker's forked map
   builds), and shows their part apart.
 """
@@ -26,7 +28,7 @@ from neuron_bus import subjects as S
 from neuron_bus.sim.procs import Usage
 from neuron_bus.sim.run import Options, simulate
 from neuron_bus.topology import connect
-from neuron_bus.tracker import TrackerParams, TrackerService
+from neuron_bus.tracker import TrackerParams, TrackerService, beats
 from tests.test_tracker import ask_route, bus, hops  # noqa: F401  (bus: the fixture)
 
 EXPIRY = 2.0
@@ -185,3 +187,68 @@ async def test_an_assignment_is_recorded_once_and_its_request_id_cannot_take_ano
     other = await ask_route(bus.nc, request_id="once", wire_dtype="bf16")  # same id, another request
     assert isinstance(other, messages.RouteAssignment) and other.wire_dtype == "bf16"
     assert other.route_id != first.route_id and hops(other) == hops(first)
+
+
+async def peers_known(services):
+    deadline = time.monotonic() + 5
+    while not all(len(s.beats.peers()) == len(services) - 1 for s in services):
+        assert time.monotonic() < deadline, [s.beats.peers() for s in services]
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(60)
+async def test_each_heartbeat_reaches_one_tracker_and_the_others_get_it_passed_on(bus, trackers):  # noqa: F811
+    await peers_known(trackers)
+    await asyncio.sleep(beats.WHOLE_FOR_NEW_S)  # after it, a heartbeat that says nothing new goes as an id
+    nodes = [await bus.node(f"beat-{i}", 0, 30) for i in range(6)]
+    await live_everywhere(trackers, *(n.node_id for n in nodes))
+    await asyncio.sleep(1.5)
+    ids, now = sorted(n.node_id for n in nodes), time.monotonic()
+    # every tracker heard from every node within the last second (ids alone keep a node alive)
+    assert [sorted(i for i in ids if t.registry.alive(i, now + EXPIRY - 1.0)) for t in trackers] == [ids] * 3
+    for n in nodes:
+        await n.stop()
+    await asyncio.sleep(0.6)  # the last relays are sent (every 0.2 s) and applied
+    sent = sum(n.seq for n in nodes)
+    taken = [t._beats for t in trackers]
+    applied = [t.beats.applied for t in trackers]
+    # the bus delivered each heartbeat to one tracker, not to all three ...
+    assert sum(taken) == sent and all(k > 0 for k in taken), (sent, taken)
+    # ... and each tracker applied those the other two took
+    assert [k + a for k, a in zip(taken, applied)] == [sent] * 3, (sent, taken, applied)
+    # most of them as ids: after a node's first, only every tenth is whole
+    touched = sum(t.beats.touched for t in trackers)
+    assert touched >= 0.6 * sum(applied) and sum(t.beats.unknown for t in trackers) == 0, (touched, applied)
+
+
+@pytest.mark.timeout(60)
+async def test_a_lone_tracker_passes_nothing_on_and_a_bad_relay_changes_nothing(bus):  # noqa: F811
+    nc = await connect(bus.url, max_reconnect_attempts=1)
+    tracker = TrackerService(nc, PARAMS)
+    await tracker.start()
+    try:
+        node = await bus.node("alone", 0, 30)
+        await live_everywhere([tracker], "alone")
+        await asyncio.sleep(0.5)
+        assert tracker._beats >= 3 and tracker.beats.passed_on == 0 and tracker.beats.peers() == []
+        seq = tracker.registry.last_heartbeat("alone").seq
+        forged = messages.NodeHeartbeat(
+            node_id="alone",
+            seq=seq + 1000,
+            ts=time.time() + 1000,
+            layer_start=0,
+            layer_end=30,
+            cache_abi="x",
+            status="draining",
+        )
+        relay = messages.encode(messages.HeartbeatRelay(tracker_id="other", heartbeats=[forged]))
+        for bad in (b"not json", relay.replace(b'"other"', b'"bad id!"'), relay.replace(b'"seq":', b'"seq":-')):
+            await bus.nc.publish(S.TRACKER_HEARTBEATS, bad)
+        await bus.nc.flush()
+        await asyncio.sleep(0.3)
+        assert tracker.beats.bad_relays == 3 and tracker.beats.applied == 0 and tracker.beats.peers() == []
+        assert tracker.registry.last_heartbeat("alone").seq < seq + 1000
+        await node.stop()
+    finally:
+        await tracker.stop()
+        await nc.close()

@@ -100,7 +100,9 @@ class Registry:
                 self._silent[caps.node_id] = now  # forgotten unless a heartbeat follows
         self._refile(caps.node_id, entry, now)
 
-    def apply_heartbeat(self, hb: NodeHeartbeat, now: float) -> None:
+    def apply_heartbeat(self, hb: NodeHeartbeat, now: float) -> bool:
+        """Whether the heartbeat told the index something new (a node's first, or a change of
+        state: ``_same_state``); False for one that only keeps the node alive, or a late one."""
         node_id = hb.node_id
         entry = self._nodes.get(node_id)
         if entry is None:
@@ -108,10 +110,31 @@ class Registry:
         previous = entry.heartbeat
         if entry.was_alive and previous is not None and _sent_before(hb, previous):
             self.late_heartbeats += 1
-            return
+            return False
         same = entry.was_alive and _same_state(entry.filed, hb)
         entry.opened = max(0, hb.sessions_active - previous.sessions_active) if previous is not None else 0
         entry.heartbeat = hb
+        self._heard_from(node_id, entry, now)
+        # Most heartbeats say nothing new to the index (liveness is read from last_seen); a node's
+        # assignments move it only while they count as its load (the view filed is exact without).
+        if not same or self._pending_moved(entry, now):
+            self._refile(node_id, entry, now)
+        return not same
+
+    def touch(self, node_id: str, now: float) -> bool:
+        """A heartbeat of the node that told another tracker nothing new (beats.py): liveness
+        only, the state is the last heartbeat's here. False if this registry does not hold the
+        node alive with a heartbeat: its state here may be old, and it waits for a whole one."""
+        entry = self._nodes.get(node_id)
+        if entry is None or entry.heartbeat is None or not entry.was_alive:
+            return False
+        entry.opened = 0  # the same sessions as the heartbeat before it (else it told something new)
+        self._heard_from(node_id, entry, now)
+        if self._pending_moved(entry, now):
+            self._refile(node_id, entry, now)
+        return True
+
+    def _heard_from(self, node_id: str, entry: _Entry, now: float) -> None:
         entry.last_seen = now
         if not entry.was_alive:
             entry.was_alive = True
@@ -119,10 +142,10 @@ class Registry:
             self._silent.pop(node_id, None)
         self._heard[node_id] = None
         self._heard.move_to_end(node_id)
-        # Most heartbeats say nothing new to the index (liveness is read from last_seen); a node's
-        # assignments move it only while they count as its load (the view filed is exact without).
-        if not same or (entry.assigned and not self._pending_filed(entry, now)):
-            self._refile(node_id, entry, now)
+
+    def _pending_moved(self, entry: _Entry, now: float) -> bool:
+        """A heartbeat ended the count of some of the node's assignments (their grace passed)."""
+        return bool(entry.assigned) and not self._pending_filed(entry, now)
 
     def record_rtt(self, node_id: str, rtt: float, now: float) -> None:
         entry = self._nodes.get(node_id)
@@ -165,6 +188,11 @@ class Registry:
     def alive(self, node_id: str, now: float) -> bool:
         entry = self._nodes.get(node_id)
         return entry is not None and entry.last_seen is not None and now - entry.last_seen <= self.params.expiry
+
+    def last_heartbeat(self, node_id: str) -> NodeHeartbeat | None:
+        """The newest heartbeat of the node applied here."""
+        entry = self._nodes.get(node_id)
+        return entry.heartbeat if entry is not None else None
 
     def needs_report(self, node_id: str) -> bool:
         """Heartbeating, but no capability report (or one the heartbeat contradicts)."""

@@ -2,15 +2,18 @@
 
 Subscriptions (core NATS):
 - ``neuron.node.*.caps``       CapabilityReport -> registry
-- ``neuron.node.*.heartbeat``  NodeHeartbeat -> registry (liveness on the tracker's clock)
+- ``neuron.node.*.heartbeat``  NodeHeartbeat -> registry (liveness on the tracker's clock), queue
+  group ``neuron-tracker``: each heartbeat reaches one tracker, which passes it on to the others
+- ``neuron.tracker.heartbeats`` HeartbeatRelay: the heartbeats the other trackers took (beats.py)
 - ``neuron.route.request``     RouteRequest -> RouteAssignment | RouteRejection, queue group
   ``neuron-tracker``: each request goes to one of the trackers running.
 - ``neuron.tracker.coverage``  CoverageRequest -> CoverageReport, same queue group
 - ``neuron.route.assign.>``    every tracker's assignments: they count as load on their nodes
   here too, so trackers sharing the requests spread them as one would.
 
-Several trackers. Each keeps its own registry from the same heartbeats and answers a share of
-the requests. What they hand out is recorded once: an assignment is created in KV
+Several trackers. Each keeps its own registry from the same heartbeats (each taken from the bus
+by one of them and passed on to the others in batches: beats.py) and answers a share of the
+requests. What they hand out is recorded once: an assignment is created in KV
 ``neuron-routes`` under a route id derived from the request id, with ``create`` (fails if the
 key exists) as the arbiter, and only then published on ``neuron.route.assign.<route_id>``
 (JetStream, deduplicated by route id) and answered. A request asked again (its tracker died
@@ -23,7 +26,8 @@ Decisions that one tracker at a time must make (placement) hold the ``placement`
 
 Cost per message (n nodes, m replicas in a range, c ranges; registry.py, index.py, planner.py,
 ring.py, coverage.py, latency.py for the parts):
-- heartbeat: O(1) when nothing that matters changed, else O(log m); report: O(log m);
+- heartbeat: O(1) when nothing that matters changed, else O(log m); report: O(log m); each
+  heartbeat is delivered to one tracker and reaches the others in a relay of many (one message);
 - route request: O(c k log m + the ring search over c k candidates), independent of n beyond
   the log; several are served concurrently (the KV and stream writes overlap), each reserving
   its nodes' load before its first await so concurrent plans spread. A request no route can
@@ -80,6 +84,7 @@ from neuron_bus.messages import (
 from neuron_bus.ping import ping_many, server_round_trip
 from neuron_bus.tasks import Background
 from neuron_bus.tracker import forked
+from neuron_bus.tracker.beats import HeartbeatShare
 from neuron_bus.tracker.coverage import assemble, stragglers
 from neuron_bus.tracker.index import RouteIndex
 from neuron_bus.tracker.latency import PingSampler
@@ -158,6 +163,9 @@ class TrackerService:
         self.placer: Placer | None = None  # joining --layers auto nodes, and moves (holder of the lease only)
         self.trust = TrackerTrust(nc, params.audit_rate)  # replay sampling, audit flags
         self.spoofed = 0  # reports and heartbeats naming another node than their subject
+        self.beats = HeartbeatShare(
+            nc, self.tracker_id, self._ingest, lambda node_id: self.registry.touch(node_id, _mono())
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -175,7 +183,8 @@ class TrackerService:
         self._js = js
         self._started_at = _mono()
         self._subs = [
-            await self.nc.subscribe(S.NODE_HEARTBEAT_ALL, cb=self._on_heartbeat),
+            await self.nc.subscribe(S.TRACKER_HEARTBEATS, cb=self.beats.on_relay),
+            await self.nc.subscribe(S.NODE_HEARTBEAT_ALL, queue=QUEUE_GROUP, cb=self._on_heartbeat),
             await self.nc.subscribe(S.NODE_ANNOUNCE_ALL, cb=self._on_report),
             await self.nc.subscribe(S.ROUTE_ASSIGN_ALL, cb=self._on_assignment),
             await self.nc.subscribe(S.ROUTE_REQUEST, queue=QUEUE_GROUP, cb=self._on_route_request),
@@ -185,6 +194,7 @@ class TrackerService:
         await self.trust.start()
         await self.nc.flush()
         self._background.spawn(self._sweep_loop())
+        self._background.spawn(self.beats.run())
         if self.params.ping_interval > 0:
             self._background.spawn(self._ping_loop())
         self.placement = Lease(js, S.KV_LEASES, PLACEMENT_LEASE, holder=f"tracker-{self.tracker_id}")
@@ -283,10 +293,17 @@ class TrackerService:
             return
         if self._spoofed(hb.node_id, _subject_node(msg.subject), msg.subject):
             return
-        self.registry.apply_heartbeat(hb, _mono())
+        new = self._ingest(hb)
+        await self.beats.take(hb, new, len(msg.data))
+
+    def _ingest(self, hb: NodeHeartbeat) -> bool:
+        """A heartbeat this tracker took, or one another tracker took and passed on whole:
+        whether it told the registry something new."""
+        new = self.registry.apply_heartbeat(hb, _mono())
         if self.registry.needs_report(hb.node_id) and hb.node_id not in self._fetching:
             self._fetching.add(hb.node_id)
             self._background.spawn(self._refresh_report(hb.node_id))
+        return new
 
     def _spoofed(self, claimed: str, proven: str | None, where: str) -> bool:
         if claimed == proven:

@@ -13,8 +13,9 @@ Roles:
 - worker:   its data plane (activations, tokens, telemetry, errors), node announcements and
             heartbeats, control requests, validation events and ledger entries, KV/object
             buckets and the JetStream API (its consumers)
-- tracker:  node reports and heartbeats in, route assignments out (and in: other trackers'), route/coverage requests,
-            validation events (sampling) and audit requests, KV buckets
+- tracker:  node reports and heartbeats in, route assignments and the heartbeats it took out (and
+            in: other trackers'), route/coverage requests, validation events (sampling) and
+            audit requests, KV buckets
 - auditor:  audit requests and validation events in, verdicts and KV ``neuron-flags`` out
 - client:   route and coverage requests, control requests to nodes, prompt chunks into hop 0,
             its own tokens, errors and telemetry, route nodes' heartbeats
@@ -61,6 +62,7 @@ ROLES: dict[str, dict[str, list[str]]] = {
             f"{R}.node.*.caps",
             f"{R}.node.*.heartbeat",
             f"{R}.node.*.ctl",
+            S.TRACKER_PLACE,  # a --layers auto worker asks for its range
             f"{R}.act.>",
             f"{R}.session.>",
             f"{R}.telemetry.>",
@@ -79,6 +81,8 @@ ROLES: dict[str, dict[str, list[str]]] = {
             f"{R}.route.assign.>",
             f"{R}.node.*.ctl",
             f"{R}.node.*.move",  # MoveRange: trackers alone may ask a node to move
+            S.TRACKER_HEARTBEATS,  # the heartbeats each tracker took, for the others
+            S.PLACEMENT_DECISIONS,
             S.AUDIT_REQUEST,
             JS_ALL,
             JS_ACK,
@@ -90,7 +94,9 @@ ROLES: dict[str, dict[str, list[str]]] = {
             f"{R}.node.*.heartbeat",
             S.ROUTE_REQUEST,
             S.ROUTE_ASSIGN_ALL,  # the other trackers' assignments count as load
+            S.TRACKER_HEARTBEATS,
             S.TRACKER_COVERAGE,
+            S.TRACKER_PLACE,  # answered by the holder of the placement lease
             S.VALIDATION_ALL,
             INBOX,
         ],
@@ -154,6 +160,7 @@ def _worker(n: str) -> dict[str, list[str]]:
             S.node_caps(n),
             S.node_heartbeat(n),
             f"{R}.node.*.ctl",  # pings of its route neighbours
+            S.TRACKER_PLACE,  # --layers auto: its range
             f"{R}.act.>",  # into the next hop (and the ring into hop 0): MAC'd with the link key
             f"{R}.session.*.*.tokens",
             f"{R}.session.*.*.error",
