@@ -64,17 +64,27 @@ PEER_TIMEOUT_S = 3.5  # a tracker not heard for this long is gone: nothing is pa
 APPLY_YIELD = 256  # relayed heartbeats applied in a row before other callbacks get a turn
 
 
+async def _in_turns(items):
+    """``items`` one by one, other callbacks getting a turn every APPLY_YIELD: a large relay does
+    not hold up requests and pongs."""
+    for i, item in enumerate(items, 1):
+        yield item
+        if i % APPLY_YIELD == 0:
+            await asyncio.sleep(0)
+
+
 class HeartbeatShare:
     """The heartbeats this tracker took, passed on in batches while other trackers are there; and
     theirs, applied here: ``ingest`` (what the tracker does with a heartbeat it took itself) for
-    whole ones, ``touch`` (liveness alone; False if the node is not held alive here) for ids."""
+    whole ones, ``touch(node_id, now)`` (liveness alone, Registry.touch: False if the node is not
+    held alive here) for ids, ``now`` on ``clock``."""
 
     def __init__(
         self,
         nc: nats.NATS,
         tracker_id: str,
         ingest: Callable[[NodeHeartbeat], object],
-        touch: Callable[[str], bool],
+        touch: Callable[[str, float], bool],
         clock: Callable[[], float] = time.monotonic,
     ):
         self.nc = nc
@@ -160,17 +170,11 @@ class HeartbeatShare:
             log.info("tracker %s is there: heartbeats taken here are passed on to it", relay.tracker_id)
             self._whole_until = now + WHOLE_FOR_NEW_S  # it learns every node's state from them
             await self.flush()  # and of this tracker now, not a beacon later
-        for i, hb in enumerate(relay.heartbeats, 1):
+        async for hb in _in_turns(relay.heartbeats):
             self._ingest(hb)
-            if i % APPLY_YIELD == 0:
-                await asyncio.sleep(0)  # a large relay does not hold up requests and pongs
-        touch = self._touch
-        unknown = 0
-        for i, node_id in enumerate(relay.alive, 1):
-            if not touch(node_id):
-                unknown += 1
-            if i % APPLY_YIELD == 0:
-                await asyncio.sleep(0)
+        touch, unknown = self._touch, 0
+        async for node_id in _in_turns(relay.alive):
+            unknown += not touch(node_id, now)
         self.unknown += unknown
         self.touched += len(relay.alive)
         self.applied += len(relay.heartbeats) + len(relay.alive)

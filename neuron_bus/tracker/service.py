@@ -163,9 +163,7 @@ class TrackerService:
         self.placer: Placer | None = None  # joining --layers auto nodes, and moves (holder of the lease only)
         self.trust = TrackerTrust(nc, params.audit_rate)  # replay sampling, audit flags
         self.spoofed = 0  # reports and heartbeats naming another node than their subject
-        self.beats = HeartbeatShare(
-            nc, self.tracker_id, self._ingest, lambda node_id: self.registry.touch(node_id, _mono())
-        )
+        self.beats = HeartbeatShare(nc, self.tracker_id, self._ingest, self.registry.touch, clock=_mono)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
