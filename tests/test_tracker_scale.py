@@ -10,6 +10,8 @@
   a request asked twice gets the same route, and one of them holds the placement lease.
 - Each heartbeat reaches one of three trackers, which passes it on to the other two (mostly as
   the node's id); a lone tracker passes nothing on; a malformed relay changes nothing.
+- A simulated node heartbeats at once when a session opens on it and when it ends, as a worker
+  does, and otherwise keeps its interval.
 - The simulator's CPU figure of a process includes its reaped children (a tracker's forked map
   builds), and shows their part apart.
 """
@@ -252,3 +254,45 @@ async def test_a_lone_tracker_passes_nothing_on_and_a_bad_relay_changes_nothing(
     finally:
         await tracker.stop()
         await nc.close()
+
+
+async def test_a_simulated_node_beats_at_once_when_a_session_opens_and_when_it_ends(bus, monkeypatch):  # noqa: F811
+    from neuron_bus.sim import pool as sim_pool
+    from neuron_bus.sim import swarm
+
+    monkeypatch.setattr(swarm, "SESSION_S", (0.6, 0.6))
+    node = swarm.generate(swarm.SwarmSpec(nodes=1, seed=3))[0]
+    node.phase = 0.0  # its first beat at once, then every 30 s
+    pool = sim_pool.Pool(bus.nc, [node], time.time(), interval=30.0)
+    beats: asyncio.Queue = asyncio.Queue()
+
+    async def on_beat(msg):
+        await beats.put((messages.decode(msg.data, messages.NodeHeartbeat), time.monotonic()))
+
+    await bus.nc.subscribe(S.node_heartbeat(node.node_id), cb=on_beat)
+    await pool.start()
+    await pool.announce([node])
+    loop = asyncio.create_task(pool.beat_loop())
+    try:
+        first, _ = await asyncio.wait_for(beats.get(), 5)
+        hop = messages.RouteHop(
+            node_id=node.node_id, layer_start=node.layer_start, layer_end=node.layer_end, subject="",
+            backend_id=swarm.BACKEND, cache_abi=swarm.CACHE_ABI,
+        )  # fmt: skip
+        route = messages.RouteAssignment(
+            route_id="r1", model_preset=swarm.MODEL, model_revision=swarm.REVISION, n_layers_total=swarm.N_LAYERS,
+            hops=[hop],
+        )  # fmt: skip
+        await bus.nc.publish(S.route_assign("r1"), messages.encode(route))
+        opened, opened_at = await asyncio.wait_for(beats.get(), 5)
+        assert (opened.seq, opened.sessions_active) == (first.seq + 1, 1)
+        ended, ended_at = await asyncio.wait_for(beats.get(), 5)
+        assert (ended.seq, ended.sessions_active) == (opened.seq + 1, 0)
+        assert 0.4 < ended_at - opened_at < 3.0  # when the 0.6 s session ended, not at the interval
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(beats.get(), 0.5)  # nothing changed since: the interval holds
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        for sub in pool._subs:
+            await sub.unsubscribe()

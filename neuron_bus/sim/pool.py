@@ -2,7 +2,8 @@
 
 Each node speaks the workers' protocol: its ``CapabilityReport`` in KV ``neuron-nodes`` and on
 ``neuron.node.<id>.caps``, a ``NodeHeartbeat`` every interval on ``neuron.node.<id>.heartbeat``
-(phases spread over the interval, published in batches from one timer), and a ``Pong`` for every
+(phases spread over the interval, published in batches from one timer; sooner when its sessions
+opened or closed, as a worker's), and a ``Pong`` for every
 ``Ping`` on ``neuron.node.<id>.ctl`` after its simulated round trip (one wildcard subscription
 answers for all of them; a dead node does not answer). Route assignments
 (``neuron.route.assign.>``) open simulated sessions on their hops: heartbeats report them as
@@ -36,6 +37,7 @@ from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage
 from neuron_bus.gctune import freeze_old_objects
 from neuron_bus.sim import swarm
+from neuron_bus.timing import HEARTBEAT_SOON_S
 from neuron_bus.topology import connect
 from workers.errors import Reason
 
@@ -87,6 +89,10 @@ class Pool:
         self.noise: dict[str, float] = {}  # node -> measured / true throughput
         self.rng = random.Random(7)
         self._due: list[tuple[float, str]] = []  # (monotonic time of the next heartbeat, node id)
+        # a node whose sessions changed beats at once, as workers do (worker/heartbeat.py):
+        # (when, when its sessions changed, node id), monotonic
+        self._soon: list[tuple[float, float, str]] = []
+        self._sent: dict[str, float] = {}  # node id -> monotonic time of its last heartbeat
         self._sessions: dict[str, list[tuple[float, tuple[str, ...]]]] = {}  # node -> (end, neighbours)
         self.stats = {"heartbeats": 0, "pings": 0, "pongs": 0, "assignments": 0, "announced": 0, "gone": 0}
         self._subs: list[Subscription] = []
@@ -181,19 +187,32 @@ class Pool:
             wall = time.time()
             while self._due and self._due[0][0] <= now:
                 _, node_id = heapq.heappop(self._due)
-                if node_id not in self.live:
+                if node_id in self.live and await self._beat(node_id, now, wall):
+                    heapq.heappush(self._due, (now + self.interval, node_id))
+            while self._soon and self._soon[0][0] <= now:
+                _, changed_at, node_id = heapq.heappop(self._soon)
+                last = self._sent.get(node_id)
+                if node_id not in self.live or (last is not None and last >= changed_at):
+                    continue  # gone, or a beat since the change told it
+                if last is not None and now < last + HEARTBEAT_SOON_S:
+                    heapq.heappush(self._soon, (last + HEARTBEAT_SOON_S, changed_at, node_id))
                     continue
-                node = self.nodes[node_id]
-                await self.nc.publish(S.node_heartbeat(node_id), M.encode(self.heartbeat(node, wall)))
-                self.last_beat[node_id] = wall
-                self.stats["heartbeats"] += 1
-                if self.stats["heartbeats"] % 16 == 0:
-                    await asyncio.sleep(0)  # pongs due now go out on time
-                if node_id in self.draining:
-                    self._gone(node)  # a leaving node: its draining heartbeat was its last
-                    continue
-                heapq.heappush(self._due, (now + self.interval, node_id))
+                await self._beat(node_id, now, wall)  # the regular beats keep their own schedule
             await asyncio.sleep(TICK_S)
+
+    async def _beat(self, node_id: str, now: float, wall: float) -> bool:
+        """Send the node's heartbeat; False if that was its last (a leaving node's draining one)."""
+        node = self.nodes[node_id]
+        await self.nc.publish(S.node_heartbeat(node_id), M.encode(self.heartbeat(node, wall)))
+        self.last_beat[node_id] = wall
+        self._sent[node_id] = now
+        self.stats["heartbeats"] += 1
+        if self.stats["heartbeats"] % 16 == 0:
+            await asyncio.sleep(0)  # pongs due now go out on time
+        if node_id in self.draining:
+            self._gone(node)  # a leaving node: its draining heartbeat was its last
+            return False
+        return True
 
     # -- pings and assignments ---------------------------------------------------------------
 
@@ -227,11 +246,14 @@ class Pool:
         except MalformedMessage:
             return
         self.stats["assignments"] += 1
-        end = time.monotonic() + swarm.session_seconds(route.route_id)
+        now = time.monotonic()
+        end = now + swarm.session_seconds(route.route_id)
         ids = [h.node_id for h in route.hops]
         for i, node_id in enumerate(ids):
             neighbours = tuple({ids[i - 1], ids[(i + 1) % len(ids)]} - {node_id})
             self._sessions.setdefault(node_id, []).append((end, neighbours))
+            heapq.heappush(self._soon, (now, now, node_id))  # opened: a beat says so
+            heapq.heappush(self._soon, (end, end, node_id))  # and one when it ends
 
     async def start(self) -> None:
         self._subs = [

@@ -1,5 +1,9 @@
 """A worker's heartbeat: what it tells the tracker every interval on ``neuron.node.<id>.heartbeat``.
 
+Every interval, and sooner when a session opened or closed (``next_beat``; no sooner than
+``HEARTBEAT_SOON_S`` after the last beat): the tracker routes on the load it last heard of, and a
+node whose session ended would otherwise look busy until its next beat.
+
 Its range and cache ABI, load (sessions, queued messages), measured throughput (runner.py:
 positions per busy second over the last 30 s of real work, or the self-benchmark before there
 is any), memory pressure, route failure rate, the latency to its neighbours on its routes and its
@@ -15,6 +19,7 @@ for one benchmark at most) and reports the new figure.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -24,6 +29,7 @@ import psutil
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.tasks import Background
+from neuron_bus.timing import HEARTBEAT_SOON_S
 from neuron_bus.worker.node_telemetry import neighbours
 
 log = logging.getLogger(__name__)
@@ -42,6 +48,19 @@ class Heartbeat:
         self._probes = Background()
         self._rebench = Background()
         self.benchmarked_at = time.monotonic()  # the backend measured itself as it started
+        self.sent_at: float | None = None  # monotonic time of the last beat
+        self._sessions_changed = asyncio.Event()
+        engine.sessions.on_change = self._sessions_changed.set
+
+    async def next_beat(self, interval: float) -> None:
+        """Until the next beat is due: ``interval`` after the last, or once the sessions changed
+        since it, but no sooner than ``HEARTBEAT_SOON_S`` after it."""
+        last = self.sent_at if self.sent_at is not None else time.monotonic()
+        try:
+            await asyncio.wait_for(self._sessions_changed.wait(), max(0.0, last + interval - time.monotonic()))
+        except TimeoutError:
+            return
+        await asyncio.sleep(max(0.0, last + HEARTBEAT_SOON_S - time.monotonic()))
 
     def build(self, queue_depth: int) -> M.NodeHeartbeat:
         self.seq += 1
@@ -65,6 +84,8 @@ class Heartbeat:
         )
 
     async def send(self, queue_depth: int) -> None:
+        self.sent_at = time.monotonic()
+        self._sessions_changed.clear()  # what changed before this beat is in it
         await self.nc.publish(S.node_heartbeat(self.report.node_id), M.encode(self.build(queue_depth)))
         if not self._probes:  # one round of neighbour pings at a time
             routes = list({s.route.route_id: s.route for s in self.engine.sessions}.values())

@@ -253,7 +253,7 @@ class WorkerService:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.opts.heartbeat_interval)
+            await self.heartbeat.next_beat(self.opts.heartbeat_interval)
             try:
                 await self.heartbeat.send(self.queue_depth)
             except Exception:

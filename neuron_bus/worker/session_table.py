@@ -9,6 +9,7 @@ position_gap, out_of_order, overrun).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from neuron_bus import messages as M
@@ -83,6 +84,11 @@ class HopSession:
 class SessionTable:
     def __init__(self) -> None:
         self._sessions: dict[str, HopSession] = {}
+        self.on_change: Callable[[], None] | None = None  # told when a session is added or removed
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def __contains__(self, session_id: str) -> bool:
         return session_id in self._sessions
@@ -95,12 +101,16 @@ class SessionTable:
 
     def add(self, s: HopSession) -> None:
         self._sessions[s.session_id] = s
+        self._changed()
 
     def get(self, session_id: str) -> HopSession | None:
         return self._sessions.get(session_id)
 
     def pop(self, session_id: str) -> HopSession | None:
-        return self._sessions.pop(session_id, None)
+        s = self._sessions.pop(session_id, None)
+        if s is not None:
+            self._changed()
+        return s
 
     def routes(self) -> set[str]:
         return {s.route.route_id for s in self._sessions.values()}
