@@ -343,29 +343,60 @@ def test_heartbeats_and_the_window_end_do_not_refile_a_node_whose_assignments_no
 
 
 def test_pending_assignments_counted_from_the_newest_agree_with_counting_them_all():
+    """The registry's count against a model that keeps every assignment and marks the ones each
+    heartbeat's rise in sessions showed (the oldest still counted, made before it arrived)."""
     rng = random.Random(7)
     params = TrackerParams(expiry=1e9, forget_after=1e9, assignment_window=30.0, assignment_grace=1.0)
     reg = Registry(params)
     reg.apply_report(report("a", 0, 30), now=0.0)
-    now, seq, sessions = 0.0, 0, 0
+    now, seq, sessions, last = 0.0, 0, 0, None
+    times: list[float] = []
+    shown: set[int] = set()
+
+    def counted(i: int, at: float) -> bool:
+        return (
+            i not in shown
+            and at - times[i] <= params.assignment_window
+            and (last is None or times[i] > last - params.assignment_grace)
+        )
+
     for _ in range(2000):
         now += rng.uniform(0.0, 0.4)
         if rng.random() < 0.3:
             seq += 1
-            sessions = max(0, sessions + rng.randint(-1, 3))
+            before, sessions = sessions, max(0, sessions + rng.randint(-1, 3))
+            if seq > 1 and sessions > before:
+                candidates = [i for i in range(len(times)) if counted(i, times[i]) and times[i] <= now]
+                shown.update(candidates[: sessions - before])
             reg.apply_heartbeat(heartbeat("a", 0, 30, seq=seq, sessions_active=sessions), now=now)
+            last = now
         else:
             reg.record_assignment(one_hop_route("a"), now=now)
+            times.append(now)
         reg.expire(now)
-        (record,) = reg.records()
-        last, opened = record.last_seen, record.opened
-        recent = [
-            t
-            for t in record.assigned
-            if now - t <= params.assignment_window and (last is None or t > last - params.assignment_grace)
-        ]
-        expected = len(recent) - (min(sum(1 for t in recent if t <= last), opened) if last is not None else 0)
+        expected = sum(counted(i, now) for i in range(len(times)))
         assert reg.index.view("a").recently_assigned == expected
+        assert reg.tracked(reg.records(), now, (), ())[0].recently_assigned == expected
+
+
+def test_an_assignment_a_rise_showed_does_not_count_again_at_the_next_heartbeat():
+    """Nodes beat as soon as a session opens: the next heartbeat, within the grace and with no
+    rise of its own, must not count the assignment on top of the session it reports."""
+    reg = Registry(TrackerParams(expiry=5.0, forget_after=100.0, assignment_window=30.0, assignment_grace=1.0))
+    reg.apply_report(report("a", 0, 30), now=0.0)
+    reg.apply_heartbeat(heartbeat("a", 0, 30, decode_tokens_per_second=50.0), now=1.0)
+    reg.record_assignment(one_hop_route("a"), now=1.5)
+    hb = {"decode_tokens_per_second": 50.0, "sessions_active": 1}
+    reg.apply_heartbeat(heartbeat("a", 0, 30, seq=2, **hb), now=1.55)  # the prompt beat: the session
+    assert reg.index.view("a").recently_assigned == 0
+    reg.apply_heartbeat(heartbeat("a", 0, 30, seq=3, **hb), now=2.0)  # its regular beat, no rise
+    assert reg.index.view("a").recently_assigned == 0
+    assert reg.touch("a", now=2.2)  # another tracker's relay: liveness only
+    assert reg.index.view("a").recently_assigned == 0
+    # a rise with no assignment before it shows nothing to come: the next one counts
+    reg.apply_heartbeat(heartbeat("a", 0, 30, seq=4, decode_tokens_per_second=50.0, sessions_active=2), now=2.5)
+    reg.record_assignment(one_hop_route("a"), now=2.6)
+    assert reg.index.view("a").recently_assigned == 1
 
 
 @pytest.mark.parametrize(

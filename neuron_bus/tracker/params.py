@@ -29,8 +29,10 @@ class TrackerParams:
     # stops counting once a heartbeat arrives ``assignment_grace`` seconds after it (a session
     # opened on it is in that heartbeat's count; a route nobody opened, e.g. a readiness probe or
     # a client that gave up, weighs no longer). Added, not the larger of the two: a node with
-    # sessions would otherwise look no busier for a second of new routes, and draw them all; an
-    # assignment made before a heartbeat whose session count rose by as much is not counted twice.
+    # sessions would otherwise look no busier for a second of new routes, and draw them all. A
+    # heartbeat whose session count rose by k shows the node's k oldest assignments still counted
+    # (made before it arrived): those stop counting at once, and do not count again at the next
+    # heartbeat (nodes beat as soon as a session opens, so that one is usually within the grace).
     assignment_window: float = 30.0
     assignment_grace: float = 1.0
     # Coverage: a layer with fewer live replicas than this is under-provisioned.

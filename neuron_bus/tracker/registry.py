@@ -50,7 +50,7 @@ class _Entry:
     rtts: deque[float] = field(default_factory=lambda: deque(maxlen=RTT_SAMPLES))
     assigned: deque[float] = field(default_factory=deque)
     was_alive: bool = False
-    opened: int = 0  # how many more sessions the last heartbeat reported than the one before
+    shown_until: float = float("-inf")  # assignments made until then are in a heartbeat's count (its rise)
     filed: NodeHeartbeat | None = None  # the heartbeat the route index last saw
     view: NodeView | None = None  # the view filed then
     tracked: TrackedNode | None = None  # its coverage-map entry (built when asked for)
@@ -59,11 +59,11 @@ class _Entry:
 class Record:
     """What the coverage map needs of one node, copied from the table (registry.records)."""
 
-    __slots__ = ("node_id", "view", "last_seen", "assigned", "opened", "tracked", "memory_pressure")
+    __slots__ = ("node_id", "view", "last_seen", "assigned", "shown_until", "tracked", "memory_pressure")
 
-    def __init__(self, node_id, view, last_seen, assigned, opened, tracked, memory_pressure):
+    def __init__(self, node_id, view, last_seen, assigned, shown_until, tracked, memory_pressure):
         self.node_id, self.view, self.last_seen = node_id, view, last_seen
-        self.assigned, self.opened, self.tracked = assigned, opened, tracked
+        self.assigned, self.shown_until, self.tracked = assigned, shown_until, tracked
         self.memory_pressure = memory_pressure  # the last heartbeat's (the view keeps the one it was filed with)
 
 
@@ -112,7 +112,8 @@ class Registry:
             self.late_heartbeats += 1
             return False
         same = entry.was_alive and _same_state(entry.filed, hb)
-        entry.opened = max(0, hb.sessions_active - previous.sessions_active) if previous is not None else 0
+        if previous is not None and hb.sessions_active > previous.sessions_active:
+            self._show(entry, hb.sessions_active - previous.sessions_active, now)
         entry.heartbeat = hb
         self._heard_from(node_id, entry, now)
         # Most heartbeats say nothing new to the index (liveness is read from last_seen); a node's
@@ -128,11 +129,28 @@ class Registry:
         entry = self._nodes.get(node_id)
         if entry is None or entry.heartbeat is None or not entry.was_alive:
             return False
-        entry.opened = 0  # the same sessions as the heartbeat before it (else it told something new)
         self._heard_from(node_id, entry, now)
         if self._pending_moved(entry, now):
             self._refile(node_id, entry, now)
         return True
+
+    def _show(self, entry: _Entry, rise: int, now: float) -> None:
+        """A heartbeat reported ``rise`` more sessions than the one before: as many of the node's
+        assignments still counted, oldest first, made before it arrived, are in its count from now
+        on (a later heartbeat without a rise does not make them count again). O(those passed)."""
+        since = self._counted_after(entry)
+        for t in entry.assigned:
+            if t <= since:
+                continue
+            if t > now or rise == 0:
+                break
+            entry.shown_until, rise = t, rise - 1
+
+    def _counted_after(self, entry: _Entry | Record) -> float:
+        """Assignments made until then no longer count: shown by a rise, or a heartbeat came
+        ``assignment_grace`` after them."""
+        last = entry.last_seen
+        return entry.shown_until if last is None else max(entry.shown_until, last - self.params.assignment_grace)
 
     def _heard_from(self, node_id: str, entry: _Entry, now: float) -> None:
         entry.last_seen = now
@@ -265,7 +283,7 @@ class Registry:
             e = self._nodes.get(node_id)
             if e is not None and e.view is not None and (model_preset is None or m == model_preset):
                 pressure = _memory_pressure(e.heartbeat)
-                out.append(Record(node_id, e.view, e.last_seen, tuple(e.assigned), e.opened, e.tracked, pressure))
+                out.append(Record(node_id, e.view, e.last_seen, tuple(e.assigned), e.shown_until, e.tracked, pressure))
         return out
 
     def tracked(
@@ -339,25 +357,19 @@ class Registry:
 
     def _pending_assignments(self, entry: _Entry | Record, now: float) -> int:
         """Recent assignments no heartbeat has reported yet (see TrackerParams): those made after
-        the last heartbeat's grace started, less the ones its rise in sessions already shows
-        (made before it arrived, at most as many as it reported more sessions than the previous).
-        O(those counted): the assignments are in time order, newest last, and an assignment a
-        heartbeat's grace has passed never counts again (a node's last heartbeat only moves on)."""
+        the last heartbeat's grace started and after the last one a rise in sessions showed
+        (``_show``). O(those counted): the assignments are in time order, newest last, and one
+        that stopped counting never counts again (a node's last heartbeat only moves on)."""
         if not entry.assigned:
             return 0
-        p = self.params
-        last = entry.last_seen
-        if last is None:
-            return sum(1 for t in entry.assigned if now - t <= p.assignment_window)
-        since = last - p.assignment_grace
-        recent = []
+        window = self.params.assignment_window
+        since = self._counted_after(entry)
+        count = 0
         for t in reversed(entry.assigned):
             if t <= since:
                 break
-            if now - t <= p.assignment_window:
-                recent.append(t)
-        shown = min(sum(1 for t in recent if t <= last), entry.opened)
-        return len(recent) - shown
+            count += now - t <= window
+        return count
 
 
 TPS_NOISE = 0.01  # throughput changes within 1% (neighbour latencies: 10%) leave a node where it is in the index
