@@ -1,7 +1,8 @@
 """A worker heartbeats at once when a session opens or closes (heartbeat.py ``next_beat``), no
 sooner than ``HEARTBEAT_SOON_S`` after its last beat, and otherwise every interval: on a tiny llama
 on llama.cpp and a real nats-server, with the worker's own heartbeat loop and a 30 s interval, so
-every beat seen here within seconds was a prompt one."""
+every beat seen here within seconds was a prompt one. A prompt beat starts no round of pings
+sooner than ``PROBE_EVERY_S`` after the last."""
 
 from __future__ import annotations
 
@@ -46,9 +47,11 @@ async def test_a_worker_beats_at_once_when_its_sessions_change(nats_server, tiny
         # two changes at once: one beat, no sooner than HEARTBEAT_SOON_S after the last, telling both
         node.engine.sessions.add(one_hop_session(session_id="s2"))
         node.engine.sessions.pop("s1")
+        probed_at = node.heartbeat.probed_at
         both, both_at = await next_heartbeat(inbox)
         assert (both.seq, both.sessions_active) == (opened.seq + 1, 1)
         assert both_at - opened_at >= HEARTBEAT_SOON_S * 0.9
+        assert node.heartbeat.probed_at == probed_at  # pings keep the regular beats' pace
 
         node.engine.sessions.pop("s2")
         closed, _ = await next_heartbeat(inbox)

@@ -29,12 +29,13 @@ import psutil
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.tasks import Background
-from neuron_bus.timing import HEARTBEAT_SOON_S
+from neuron_bus.timing import HEARTBEAT_INTERVAL_S, HEARTBEAT_SOON_S
 from neuron_bus.worker.node_telemetry import neighbours
 
 log = logging.getLogger(__name__)
 
 REBENCH_IDLE_S = 60.0  # an idle node's self-benchmark older than this is taken again
+PROBE_EVERY_S = HEARTBEAT_INTERVAL_S / 2  # a beat starts a round of pings no sooner than this after the last
 
 
 class Heartbeat:
@@ -49,6 +50,7 @@ class Heartbeat:
         self._rebench = Background()
         self.benchmarked_at = time.monotonic()  # the backend measured itself as it started
         self.sent_at: float | None = None  # monotonic time of the last beat
+        self.probed_at = float("-inf")  # monotonic time the last round of pings started
         self._sessions_changed = asyncio.Event()
         engine.sessions.on_change = self._sessions_changed.set
 
@@ -84,10 +86,12 @@ class Heartbeat:
         )
 
     async def send(self, queue_depth: int) -> None:
-        self.sent_at = time.monotonic()
+        now = self.sent_at = time.monotonic()
         self._sessions_changed.clear()  # what changed before this beat is in it
         await self.nc.publish(S.node_heartbeat(self.report.node_id), M.encode(self.build(queue_depth)))
-        if not self._probes:  # one round of neighbour pings at a time
+        # one round of pings at a time, at the regular beats' pace (not at every session change)
+        if not self._probes and now - self.probed_at >= PROBE_EVERY_S:
+            self.probed_at = now
             routes = list({s.route.route_id: s.route for s in self.engine.sessions}.values())
             self._probes.spawn(self._probe(neighbours(self.report.node_id, routes)))
         if queue_depth == 0 and not self._rebench and self.rebench_due(time.monotonic()):
