@@ -126,3 +126,54 @@ def test_an_output_the_bus_does_not_take_fails_its_session(exc, reason, current)
     (subject, body), *_ = nc.published
     err = M.decode(body, M.SessionError)
     assert err.fatal and err.code == reason and err.node_id == "w0" and "output not sent" in err.message
+
+
+class GatedJS:
+    """A bus whose acknowledgements of the token stream wait until the test lets them through."""
+
+    def __init__(self):
+        self.gate = asyncio.Event()
+        self.published: list[tuple[str, bytes]] = []
+
+    async def publish(self, subject, body, headers=None):
+        if not subject.startswith("neuron.validation."):
+            await self.gate.wait()
+        self.published.append((subject, body))
+
+
+def test_the_validation_event_keeps_its_logit_samples_when_the_client_closes_before_the_last_ack():
+    """The client has the last token as soon as the stream stores it, and may close the session on
+    the tail (which drops its logit samples) before the tail's own publish is acknowledged: the
+    event is made before the token goes out. (It went out empty before: a CI run caught it.)"""
+    from types import SimpleNamespace
+
+    from neuron_bus.worker.audit_trail import AuditTrail
+    from neuron_bus.worker.tail import TokenStep
+
+    js = GatedJS()
+    nc = FakeNC()
+    nc.js = js
+    s = one_hop_session("w0")
+    s.tail = SimpleNamespace(generated=[5, 6, 7, 8])
+    trail = AuditTrail(js, SimpleNamespace(node_id="w0"))
+    for i in range(4):
+        trail.observe("s1", i, np.arange(16, dtype=np.float32))
+    box = Outbox(nc, FakeEngine(), None, None, None, None, trail, WorkerMetrics("w0"))
+    delta = M.TokenDelta(session_id="s1", index=3, token_id=8, text="", finished=True, finish_reason="length")
+    out = Output(
+        step=Step(FakeHandle(), s, None, np.zeros((1, 4), np.float32)),
+        sends=[Send("neuron.tokens.s1", b"t")],
+        token=TokenStep(delta),
+    )
+
+    async def scenario():
+        sending = asyncio.create_task(box._send(out))
+        await asyncio.sleep(0.01)
+        await trail.close(s.open)  # the client's close, handled while the token's ack is on its way
+        js.gate.set()
+        await sending
+
+    asyncio.run(scenario())
+    ((subject, body),) = [(sub, b) for sub, b in js.published if sub.startswith("neuron.validation.")]
+    event = M.decode(body, M.ValidationEvent)
+    assert [x.index for x in event.logit_samples] == [0, 1, 2, 3] and event.output_tokens == [5, 6, 7, 8]

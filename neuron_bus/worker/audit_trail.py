@@ -6,7 +6,8 @@
   prefill_tokens + owned_layer_work × decode_tokens``. That is the node's claim: what it is paid
   is metered from what the swarm observed (trust/meter.py), and a claim above it is flagged.
 - The tail keeps the top logits of the first `LOGIT_SAMPLES` generated tokens (`observe`) and,
-  when the generation finishes, publishes the session's `ValidationEvent` on
+  when the generation finishes, makes the session's `ValidationEvent` before the last token goes
+  out (`validation_event`) and publishes it after on
   ``neuron.validation.<session>`` (stream NEURON_VALIDATION): model and revision, route members
   with their ranges, backend, cache ABI and trust tier, prompt hash and tokens (sent to the tail
   in SessionOpen.prompt), output tokens, sampling parameters and seed, wire format and chunk size.
@@ -69,11 +70,13 @@ class AuditTrail:
             self.failures += 1
             log.warning("worker %s: could not publish on %s: %s", self.report.node_id, subject, exc)
 
-    async def validation(self, open_: M.SessionOpen, generated: list[int], finish: str | None) -> None:
-        """The tail's validation event for a finished generation."""
+    def validation_event(self, open_: M.SessionOpen, generated: list[int], finish: str | None) -> M.ValidationEvent:
+        """The tail's validation event for a finished generation, its logit samples taken now: the
+        client may close the session (`close` drops them) as soon as it has the last token, before
+        the event is published."""
         route = open_.route
         prompt = list(open_.prompt or [])
-        event = M.ValidationEvent(
+        return M.ValidationEvent(
             event_id=uuid.uuid4().hex,
             session_id=open_.session_id,
             route_id=route.route_id,
@@ -105,7 +108,9 @@ class AuditTrail:
             tail_node_id=self.report.node_id,
             activation_auth="aead" if open_.encrypt else "mac" if open_.input_key else "none",
         )
-        await self._publish(S.validation(open_.session_id), event)
+
+    async def validation(self, event: M.ValidationEvent) -> None:
+        await self._publish(S.validation(event.session_id), event)
 
     async def close(self, open_: M.SessionOpen) -> None:
         """The ledger entry for the work this node did for a session, at its close."""

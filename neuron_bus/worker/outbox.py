@@ -107,14 +107,17 @@ class Outbox:
             if not self.engine.is_current(s):
                 raise NeuronBusError(Reason.SESSION_GONE, f"session {s.session_id} closed or moved to a repaired route")
 
+        validation = None  # made before the last token goes out: its client may close the session at once
+        if out.token is not None and out.finished and s.tail is not None:
+            validation = self.trail.validation_event(s.open, s.tail.generated, out.token.delta.finish_reason)
         sends = [publish(self.js, m.subject, m.body, m.headers, on_wait=still_current) for m in out.sends]
         await (sends[0] if len(sends) == 1 else asyncio.gather(*sends))
         for m in out.sends:
             if m.seam:
                 self.metrics.seam(m.seam, "out", len(m.body))
         try:  # side outputs: the step's own went out, so a failure here fails nothing
-            if out.token is not None and out.finished and s.tail is not None:
-                await self.trail.validation(s.open, s.tail.generated, out.token.delta.finish_reason)
+            if validation is not None:
+                await self.trail.validation(validation)
             if out.telemetry is not None:
                 await self.nc.publish(S.telemetry(s.open.owner, s.session_id), M.encode(out.telemetry))
         except Exception as exc:
