@@ -59,6 +59,15 @@ def tiny_gguf(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_f32(tmp_path_factory) -> Path:
+    """The same 4-layer synthetic llama with float32 blocks: llama.cpp computes it in float32 too,
+    so other backends and other cuts of it agree with it to float noise."""
+    from tests.gguf_factory import TinyLlama, write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-f32") / "tiny-f32.gguf", TinyLlama(quant="F32"))
+
+
+@pytest.fixture(scope="session")
 def reference(smollm2_path):
     """Greedy tokens from the single-process full-model llama.cpp backend."""
     from workers.llama_cpp_full import LlamaCppFullBackend

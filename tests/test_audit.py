@@ -14,20 +14,12 @@ from neuron_bus.model_audit import audit_model
 CLI = Path(sys.executable).parent / "neuron-bus"
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    """The 4-layer synthetic llama with F32 blocks (the factory's Q8_0 path fails on gguf 0.19)."""
-    from tests.gguf_factory import TinyLlama, write_tiny_llama
-
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", TinyLlama(quant="F32"))
-
-
 def audit_cli(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
     return subprocess.run([str(CLI), "audit", "model", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_tiny_model_runs_everywhere(tiny_gguf):
-    audit = audit_model(tiny_gguf)
+def test_tiny_model_runs_everywhere(tiny_f32):
+    audit = audit_model(tiny_f32)
     assert audit.artifact.ok and audit.full_inference.ok
     assert audit.layer_boundary["llama-cpp"].ok, audit.layer_boundary["llama-cpp"].detail
     assert "bit-identical" in audit.layer_boundary["llama-cpp"].detail
@@ -37,9 +29,9 @@ def test_tiny_model_runs_everywhere(tiny_gguf):
     )
 
 
-def test_unreadable_artifact_is_reported_with_its_reason(tmp_path, tiny_gguf):
+def test_unreadable_artifact_is_reported_with_its_reason(tmp_path, tiny_f32):
     cut = tmp_path / "truncated.gguf"
-    cut.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size // 2])
+    cut.write_bytes(tiny_f32.read_bytes()[: tiny_f32.stat().st_size // 2])
     out = audit_cli(str(cut), "--json")
     assert out.returncode == 1
     report = json.loads(out.stdout)
@@ -85,6 +77,6 @@ def test_audit_cli_gemma3_text(gemma3_path):
     )
 
 
-def test_audit_cli_rejects_unknown_backend(tiny_gguf):
-    out = audit_cli(str(tiny_gguf), "--backend", "onnx")
+def test_audit_cli_rejects_unknown_backend(tiny_f32):
+    out = audit_cli(str(tiny_f32), "--backend", "onnx")
     assert out.returncode != 0 and "unknown backend" in out.stderr

@@ -24,20 +24,13 @@ N_CTX = 64
 PROMPT = [1, 5, 9, 13, 17, 21, 25]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tests.gguf_factory import TinyLlama, write_tiny_llama
-
-    return write_tiny_llama(tmp_path_factory.mktemp("engine") / "tiny.gguf", TinyLlama(quant="F32"))
-
-
 class Route:
     """Two engines over layers [0, 2) and [2, 4); messages move between them as the bus would move them."""
 
-    def __init__(self, tiny, tmp_path, kind="llama-cpp", **opts):
-        self.tokenizer = open_tokenizer(tiny)
+    def __init__(self, gguf, tmp_path, kind="llama-cpp", **opts):
+        self.tokenizer = open_tokenizer(gguf)
         self.backends = [
-            open_range(kind, tiny, a, b, cache_dir=tmp_path, n_ctx=N_CTX, max_sessions=4, benchmark=False)
+            open_range(kind, gguf, a, b, cache_dir=tmp_path, n_ctx=N_CTX, max_sessions=4, benchmark=False)
             for a, b in ((0, 2), (2, 4))
         ]
         abi = [b.capability.cache_abi for b in self.backends]
@@ -126,14 +119,14 @@ class Route:
 
 
 @pytest.fixture
-def route(tiny, tmp_path):
-    r = Route(tiny, tmp_path)
+def route(tiny_f32, tmp_path):
+    r = Route(tiny_f32, tmp_path)
     yield r
     r.close()
 
 
-def greedy(tiny, prompt, n) -> list[int]:
-    full = open_reference(tiny, n_ctx=N_CTX, max_sessions=1, benchmark=False)
+def greedy(gguf, prompt, n) -> list[int]:
+    full = open_reference(gguf, n_ctx=N_CTX, max_sessions=1, benchmark=False)
     try:
         full.open_session("ref", len(prompt) + n)
         logits, out = full.prefill("ref", 0, np.asarray(prompt, dtype=np.int32)), []
@@ -145,11 +138,11 @@ def greedy(tiny, prompt, n) -> list[int]:
         full.close()
 
 
-def test_the_ring_in_one_process_gives_the_whole_models_greedy_tokens(route, tiny):
+def test_the_ring_in_one_process_gives_the_whole_models_greedy_tokens(route, tiny_f32):
     route.open("a")
     route.open("b", max_tokens=8)
     tokens = route.run(["a", "b"])
-    want = greedy(tiny, PROMPT, 8)
+    want = greedy(tiny_f32, PROMPT, 8)
     assert tokens == {"a": want, "b": want}
     tail = route.engines[1].sessions.get("a")
     assert tail.finished and tail.tail.generated == want and tail.tail.progress.phase == "done"
@@ -221,8 +214,8 @@ def test_a_session_closed_while_it_computed_is_gone(route):
     assert isinstance(outcome, Gone)
 
 
-def test_snapshots_fall_due_at_the_same_positions_on_every_hop_and_never_after_the_last_token(tiny, tmp_path):
-    r = Route(tiny, tmp_path, snapshot_every=4)
+def test_snapshots_fall_due_at_the_same_positions_on_every_hop_and_never_after_the_last_token(tiny_f32, tmp_path):
+    r = Route(tiny_f32, tmp_path, snapshot_every=4)
     try:
         r.open("a", prompt=PROMPT, max_tokens=9)
         due: dict[int, list[int]] = {0: [], 1: []}
@@ -245,8 +238,8 @@ def test_snapshots_fall_due_at_the_same_positions_on_every_hop_and_never_after_t
     assert due[0] == due[1] == [8, 12]
 
 
-def test_noop_hops_move_the_real_shapes(tiny, tmp_path):
-    r = Route(tiny, tmp_path, kind="noop")
+def test_noop_hops_move_the_real_shapes(tiny_f32, tmp_path):
+    r = Route(tiny_f32, tmp_path, kind="noop")
     try:
         r.open("a", max_tokens=3)
         tokens = r.run(["a"])
@@ -255,8 +248,8 @@ def test_noop_hops_move_the_real_shapes(tiny, tmp_path):
     assert tokens == {"a": [0, 0, 0]}  # constant logits: token 0 wins every time
 
 
-def test_the_tail_cuts_at_a_stop_string_even_across_tokens_and_says_why(tiny):
-    tok = open_tokenizer(tiny)
+def test_the_tail_cuts_at_a_stop_string_even_across_tokens_and_says_why(tiny_f32):
+    tok = open_tokenizer(tiny_f32)
     ids = tok.encode("hello world", add_bos=False)  # letters of the tiny vocabulary, one token each
     params = M.SamplingParams(max_tokens=20, stop=["lo w"], ignore_eos=True)
     route = M.RouteAssignment(route_id="r", model_preset="t", model_revision="v", n_layers_total=1, hops=[])

@@ -15,8 +15,8 @@ import pytest
 from neuron_bus.timing import HEARTBEAT_SOON_S
 from neuron_bus.topology import connect
 from neuron_bus.worker.service import WorkerOptions, WorkerService
+from tests.hop_node import Node, heartbeats
 from tests.sessions import one_hop_session
-from tests.test_rebenchmark import Node, heartbeats, tiny  # noqa: F401  (tiny: the model fixture)
 
 INTERVAL_S = 30.0
 
@@ -26,9 +26,9 @@ async def next_heartbeat(inbox: asyncio.Queue, within: float = 5.0):
     return beat, time.monotonic()
 
 
-async def test_a_worker_beats_at_once_when_its_sessions_change(nats_server, tiny, tmp_path):  # noqa: F811
+async def test_a_worker_beats_at_once_when_its_sessions_change(nats_server, tiny_f32, tmp_path):
     nc = await connect(nats_server.url)
-    node = Node(nc, tiny, tmp_path)
+    node = Node(nc, tiny_f32, tmp_path)
     inbox = await heartbeats(nc)
     worker = SimpleNamespace(heartbeat=node.heartbeat, opts=WorkerOptions(heartbeat_interval=INTERVAL_S), queue_depth=0)
     loop = None

@@ -28,14 +28,6 @@ PROMPT = (
 )
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    """The 4-layer synthetic llama with F32 blocks (the factory's Q8_0 path fails on gguf 0.19)."""
-    from tests.gguf_factory import TinyLlama, write_tiny_llama
-
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", TinyLlama(quant="F32"))
-
-
 def ranged(path, start=None, end=None, *, cache_dir=None, n_threads=1, **opts):
     """A llama.cpp range backend the way the bus opens one (neuron_bus.execution cuts the slice)."""
     return open_range("llama-cpp", path, start, end, threads=n_threads, cache_dir=cache_dir, **opts)
@@ -167,8 +159,8 @@ def test_smollm2_split_2_and_3_ways_in_processes_is_bit_identical(smollm2_path, 
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["C tap", "Python tap"])
-def test_boundary_node_is_last_l_out_and_returning_false_stops_the_graph(tiny_gguf, tmp_path, native):
-    head = ranged(tiny_gguf, 0, 2, cache_dir=tmp_path, native_tap=native, **OPTS)
+def test_boundary_node_is_last_l_out_and_returning_false_stops_the_graph(tiny_f32, tmp_path, native):
+    head = ranged(tiny_f32, 0, 2, cache_dir=tmp_path, native_tap=native, **OPTS)
     head.open_session("a", N_CTX)
     tap = head.lanes.context("a").tap  # the tap of the context (KV pool lane) holding the session
     assert tap.native == native  # this machine has a C compiler (llama-cpp-python needed one)
@@ -208,12 +200,12 @@ def test_the_c_tap_hands_over_the_python_taps_rows_bit_for_bit(smollm2_path, tmp
     python.close()
 
 
-def test_tiny_split_matches_whole_model_for_any_prefill_chunking(tiny_gguf, tmp_path):
-    full = LlamaCppFullBackend(tiny_gguf, **OPTS)
-    head = ranged(tiny_gguf, 0, 1, cache_dir=tmp_path, **OPTS)
+def test_tiny_split_matches_whole_model_for_any_prefill_chunking(tiny_f32, tmp_path):
+    full = LlamaCppFullBackend(tiny_f32, **OPTS)
+    head = ranged(tiny_f32, 0, 1, cache_dir=tmp_path, **OPTS)
     # chunks longer than n_batch run as several llama_decode calls (the tap collects each)
-    mid = ranged(tiny_gguf, 1, 3, cache_dir=tmp_path, **{**OPTS, "n_batch": 4})
-    tail = ranged(tiny_gguf, 3, 4, cache_dir=tmp_path, **OPTS)
+    mid = ranged(tiny_f32, 1, 3, cache_dir=tmp_path, **{**OPTS, "n_batch": 4})
+    tail = ranged(tiny_f32, 3, 4, cache_dir=tmp_path, **OPTS)
     ids = np.array([1] + [int(i) for i in np.random.default_rng(1).integers(3, 300, 19)], dtype=np.int32)
     for b in (full, head, mid, tail):
         b.open_session("s", N_CTX)
@@ -389,9 +381,9 @@ def test_export_import_round_trip(smol_split, smollm2_path, tmp_path):
 # -- bad input -------------------------------------------------------------------------------------
 
 
-def test_bad_input_raises_typed_errors_and_leaves_other_sessions_intact(tiny_gguf, tmp_path):
-    head = ranged(tiny_gguf, 0, 2, cache_dir=tmp_path, **OPTS)
-    tail = ranged(tiny_gguf, 2, 4, cache_dir=tmp_path, **OPTS)
+def test_bad_input_raises_typed_errors_and_leaves_other_sessions_intact(tiny_f32, tmp_path):
+    head = ranged(tiny_f32, 0, 2, cache_dir=tmp_path, **OPTS)
+    tail = ranged(tiny_f32, 2, 4, cache_dir=tmp_path, **OPTS)
     ids = np.arange(3, 15, dtype=np.int32)
     ref = _solo(head, tail, ids, [7, 8])
 
@@ -449,8 +441,8 @@ def test_bad_input_raises_typed_errors_and_leaves_other_sessions_intact(tiny_ggu
     tail.close()
 
 
-def test_slots_are_limited_and_freed(tiny_gguf):
-    full = LlamaCppFullBackend(tiny_gguf, n_ctx=64, max_sessions=2, benchmark=False)
+def test_slots_are_limited_and_freed(tiny_f32):
+    full = LlamaCppFullBackend(tiny_f32, n_ctx=64, max_sessions=2, benchmark=False)
     full.open_session("a", 64)
     full.open_session("b", 64)
     with pytest.raises(NoFreeSlot):
@@ -461,10 +453,10 @@ def test_slots_are_limited_and_freed(tiny_gguf):
     full.close()
 
 
-def test_batch_rank_is_the_slot_so_waves_can_be_runs_of_neighbours(tiny_gguf):
+def test_batch_rank_is_the_slot_so_waves_can_be_runs_of_neighbours(tiny_f32):
     # llama.cpp runs only consecutive sequence ids in one pass; the worker's head groups its
     # decode waves by this rank (neuron_bus.worker.waves)
-    full = LlamaCppFullBackend(tiny_gguf, n_ctx=64, max_sessions=4, benchmark=False)
+    full = LlamaCppFullBackend(tiny_f32, n_ctx=64, max_sessions=4, benchmark=False)
     for sid in "abcd":
         full.open_session(sid, 64)
     assert [full.batch_rank(sid) for sid in "abcd"] == [0, 1, 2, 3]
@@ -479,8 +471,8 @@ def test_batch_rank_is_the_slot_so_waves_can_be_runs_of_neighbours(tiny_gguf):
 # -- construction, capability, registry ---------------------------------------------------------
 
 
-def test_capability_and_cache_abi(tiny_gguf, tmp_path):
-    b = ranged(tiny_gguf, 1, 3, cache_dir=tmp_path, n_ctx=N_CTX, max_sessions=2)
+def test_capability_and_cache_abi(tiny_f32, tmp_path):
+    b = ranged(tiny_f32, 1, 3, cache_dir=tmp_path, n_ctx=N_CTX, max_sessions=2)
     cap = b.capability
     assert cap.model_arch == "llama" and cap.supported_runtime == "llama.cpp"
     assert cap.supports_layer_range and cap.supports_partial_artifacts
@@ -494,7 +486,7 @@ def test_capability_and_cache_abi(tiny_gguf, tmp_path):
     assert cap.active_memory_floor > 2 * N_CTX * cap.cache_bytes_per_token_estimate
     assert (b.layer_start, b.layer_end, b.n_layers) == (1, 3, 4) and not b.is_head and not b.is_tail
     b.close()
-    nofa = ranged(tiny_gguf, 1, 3, cache_dir=tmp_path, flash_attn=False, **OPTS)
+    nofa = ranged(tiny_f32, 1, 3, cache_dir=tmp_path, flash_attn=False, **OPTS)
     assert "-fa0-" in nofa.cache_abi and nofa.capability.prefill_tokens_per_second == 0.0
     # taken again later (an idle worker does): beside an open session, whose cache it leaves alone
     nofa.open_session("s", 16)
@@ -507,8 +499,8 @@ def test_capability_and_cache_abi(tiny_gguf, tmp_path):
     nofa.close()
 
 
-def test_slice_path_is_loaded_with_its_own_range(tiny_gguf, tmp_path):
-    a = ranged(tiny_gguf, 2, 4, cache_dir=tmp_path, **OPTS)
+def test_slice_path_is_loaded_with_its_own_range(tiny_f32, tmp_path):
+    a = ranged(tiny_f32, 2, 4, cache_dir=tmp_path, **OPTS)
     again = ranged(a.file, **OPTS)  # the cached slice file itself
     assert (again.layer_start, again.layer_end, again.n_layers) == (2, 4, 4) and again.is_tail
     with pytest.raises(BadInput, match="slice"):
@@ -516,24 +508,24 @@ def test_slice_path_is_loaded_with_its_own_range(tiny_gguf, tmp_path):
     with pytest.raises(UnsupportedModel, match="slice"):
         open_reference(a.file, **OPTS)
     with pytest.raises(BadInput, match="outside"):
-        ranged(tiny_gguf, 2, 9, cache_dir=tmp_path, **OPTS)
+        ranged(tiny_f32, 2, 9, cache_dir=tmp_path, **OPTS)
     with pytest.raises(UnsupportedModel):
         LlamaCppRangeBackend(tmp_path / "missing.gguf", **OPTS)
     a.close()
     again.close()
 
 
-def test_registry_opens_each_kind(tiny_gguf, tmp_path):
-    b = open_range("llama-cpp", tiny_gguf, 0, 2, threads=1, cache_dir=tmp_path, benchmark=False)
+def test_registry_opens_each_kind(tiny_f32, tmp_path):
+    b = open_range("llama-cpp", tiny_f32, 0, 2, threads=1, cache_dir=tmp_path, benchmark=False)
     assert isinstance(b, LlamaCppRangeBackend) and b.backend_id == "llama-cpp" and not b.is_tail
     b.close()
-    f = open_backend("llama-cpp-full", tiny_gguf, threads=1, benchmark=False)
+    f = open_backend("llama-cpp-full", tiny_f32, threads=1, benchmark=False)
     assert f.backend_id == "llama-cpp-full" and f.is_head and f.is_tail
     f.close()
     with pytest.raises(BadInput, match="all 4 layers"):
-        open_backend("llama-cpp-full", tiny_gguf, 0, 2, benchmark=False)
+        open_backend("llama-cpp-full", tiny_f32, 0, 2, benchmark=False)
     with pytest.raises(BadInput, match="unknown backend"):
-        open_backend("onnx", tiny_gguf)
+        open_backend("onnx", tiny_f32)
 
 
 def test_full_backend_text_helpers(smollm2_path):

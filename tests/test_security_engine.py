@@ -18,18 +18,11 @@ from tests import wire
 from tests.test_engine import N_CTX, PROMPT, Route, greedy
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tests.gguf_factory import TinyLlama, write_tiny_llama
-
-    return write_tiny_llama(tmp_path_factory.mktemp("security") / "tiny.gguf", TinyLlama(quant="F32"))
-
-
 class KeyedRoute(Route):
     """The route with fresh link keys per session (what NeuronClient sends every hop)."""
 
-    def __init__(self, tiny, tmp_path, encrypt=False, **opts):
-        super().__init__(tiny, tmp_path, **opts)
+    def __init__(self, gguf, tmp_path, encrypt=False, **opts):
+        super().__init__(gguf, tmp_path, **opts)
         self.encrypt = encrypt
         self.keys: dict[str, list[str]] = {}
 
@@ -68,16 +61,16 @@ class KeyedRoute(Route):
 
 
 @pytest.fixture(params=[False, True], ids=["mac", "aead"])
-def keyed(request, tiny, tmp_path):
-    r = KeyedRoute(tiny, tmp_path, encrypt=request.param, require_keys=True)
+def keyed(request, tiny_f32, tmp_path):
+    r = KeyedRoute(tiny_f32, tmp_path, encrypt=request.param, require_keys=True)
     yield r
     r.close()
 
 
-def test_an_authenticated_ring_gives_the_undisturbed_tokens(keyed, tiny):
+def test_an_authenticated_ring_gives_the_undisturbed_tokens(keyed, tiny_f32):
     keyed.open("a")
     tokens = keyed.run(["a"])
-    assert tokens == {"a": greedy(tiny, PROMPT, 8)}
+    assert tokens == {"a": greedy(tiny_f32, PROMPT, 8)}
     tail = keyed.engines[1].sessions.get("a")
     assert tail.open.owner == "alice"
 

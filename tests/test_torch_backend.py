@@ -60,18 +60,6 @@ def cosine(a, b):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The 4-layer synthetic llama with float32 blocks.
-
-    conftest's ``tiny_gguf`` (Q8_0 blocks) cannot be written with gguf 0.19: the factory passes the
-    float shape as ``raw_shape`` for quantized bytes. SmolLM2 covers the quantized loading path.
-    """
-    from tests.gguf_factory import TinyLlama, write_tiny_llama
-
-    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-f32.gguf", TinyLlama(quant="F32"))
-
-
-@pytest.fixture(scope="module")
 def smol_whole(smollm2_path):
     return backend(smollm2_path, 0, 30)
 
@@ -114,10 +102,10 @@ def test_matches_llama_cpp(smollm2_path, smol_whole):
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
 
 
-def test_matches_llama_cpp_exactly_with_f32_weights(tiny):
+def test_matches_llama_cpp_exactly_with_f32_weights(tiny_f32):
     """With float32 weights llama.cpp does float math as well: the logits agree to float noise."""
-    ref = llama_cpp_prompt_logits(tiny, TINY_PROMPT)
-    ours = per_position_logits(backend(tiny, 0, 4), "llama", TINY_PROMPT)
+    ref = llama_cpp_prompt_logits(tiny_f32, TINY_PROMPT)
+    ours = per_position_logits(backend(tiny_f32, 0, 4), "llama", TINY_PROMPT)
     for i in range(len(TINY_PROMPT)):
         assert cosine(ours[i], ref[i]) >= 0.99999, i
     assert np.abs(ours - ref).max() < 1e-2  # llama.cpp keeps its KV cache in f16
@@ -127,9 +115,9 @@ def test_matches_llama_cpp_exactly_with_f32_weights(tiny):
 
 
 @pytest.mark.parametrize("bounds", [(0, 2, 4), (0, 1, 3, 4)], ids=["2-way", "3-way"])
-def test_tiny_split_equals_whole(tiny, bounds):
-    whole = run_chain([backend(tiny, 0, 4)], "s", TINY_PROMPT, n_decode=6)
-    chain = [backend(tiny, a, b) for a, b in zip(bounds, bounds[1:])]
+def test_tiny_split_equals_whole(tiny_f32, bounds):
+    whole = run_chain([backend(tiny_f32, 0, 4)], "s", TINY_PROMPT, n_decode=6)
+    chain = [backend(tiny_f32, a, b) for a, b in zip(bounds, bounds[1:])]
     split = run_chain(chain, "s", TINY_PROMPT, n_decode=6)
     for w, s in zip(whole, split):
         np.testing.assert_allclose(s, w, rtol=0, atol=1e-5)
@@ -155,8 +143,8 @@ def test_smollm2_chunked_prefill_split(smollm2_path, smol_whole):
         assert np.argmax(s) == np.argmax(w)
 
 
-def test_hop_shapes(tiny):
-    head, tail = backend(tiny, 0, 2), backend(tiny, 2, 4)
+def test_hop_shapes(tiny_f32):
+    head, tail = backend(tiny_f32, 0, 2), backend(tiny_f32, 2, 4)
     for b in (head, tail):
         b.open_session("s", 16)
     h = head.prefill("s", 0, TINY_PROMPT[:3])
@@ -182,9 +170,11 @@ def test_bf16_close_to_fp32(smollm2_path, smol_whole):
     assert cosine(bf16.prefill("p", 0, PROMPT), fp[-1]) > 0.99  # one chunk, last row
 
 
-def test_bf16_split_equals_bf16_whole(tiny):
-    whole = run_chain([backend(tiny, 0, 4, "bfloat16")], "s", TINY_PROMPT, n_decode=3)
-    split = run_chain([backend(tiny, 0, 2, "bfloat16"), backend(tiny, 2, 4, "bfloat16")], "s", TINY_PROMPT, n_decode=3)
+def test_bf16_split_equals_bf16_whole(tiny_f32):
+    whole = run_chain([backend(tiny_f32, 0, 4, "bfloat16")], "s", TINY_PROMPT, n_decode=3)
+    split = run_chain(
+        [backend(tiny_f32, 0, 2, "bfloat16"), backend(tiny_f32, 2, 4, "bfloat16")], "s", TINY_PROMPT, n_decode=3
+    )
     for w, s in zip(whole, split):  # bf16 -> float32 -> bf16 at the boundary is lossless
         np.testing.assert_allclose(s, w, rtol=0, atol=1e-5)
 
@@ -192,8 +182,8 @@ def test_bf16_split_equals_bf16_whole(tiny):
 # -- bad input leaves other sessions intact --------------------------------------------------
 
 
-def test_bad_input_raises_typed_errors_and_keeps_other_session(tiny):
-    head, mid = backend(tiny, 0, 2), backend(tiny, 2, 3)
+def test_bad_input_raises_typed_errors_and_keeps_other_session(tiny_f32):
+    head, mid = backend(tiny_f32, 0, 2), backend(tiny_f32, 2, 3)
     hidden = np.random.default_rng(0).standard_normal((4, head.hidden_size)).astype(np.float32)
 
     def good_steps(b, x):
@@ -201,8 +191,8 @@ def test_bad_input_raises_typed_errors_and_keeps_other_session(tiny):
         first = b.prefill("good", 0, x[:3])
         return first, b.prefill("good", 3, x[3:4])
 
-    ref_head = good_steps(backend(tiny, 0, 2), TINY_PROMPT)
-    ref_mid = good_steps(backend(tiny, 2, 3), hidden)
+    ref_head = good_steps(backend(tiny_f32, 0, 2), TINY_PROMPT)
+    ref_mid = good_steps(backend(tiny_f32, 2, 3), hidden)
 
     for b, x, ref in ((head, TINY_PROMPT, ref_head), (mid, hidden, ref_mid)):
         b.open_session("good", 32)
@@ -257,8 +247,8 @@ def test_cache_bytes_cover_only_the_range(smollm2_path, smol_whole):
     half.close_session("c")
 
 
-def test_close_frees_the_cache(tiny):
-    b = backend(tiny, 1, 3)
+def test_close_frees_the_cache(tiny_f32):
+    b = backend(tiny_f32, 1, 3)
     assert b.open_session("s", 128) == 2 * 2 * 128 * 2 * 16 * 4
     b.prefill("s", 0, np.ones((2, b.hidden_size), np.float32))
     cache = weakref.ref(b._caches["s"])
@@ -270,8 +260,8 @@ def test_close_frees_the_cache(tiny):
         b.cache_bytes("s")
 
 
-def test_bf16_cache_is_half_size(tiny):
-    fp, bf = backend(tiny, 0, 4), backend(tiny, 0, 4, "bfloat16")
+def test_bf16_cache_is_half_size(tiny_f32):
+    fp, bf = backend(tiny_f32, 0, 4), backend(tiny_f32, 0, 4, "bfloat16")
     assert fp.open_session("s", 64) == 2 * bf.open_session("s", 64)
 
 
@@ -280,9 +270,9 @@ def test_bf16_cache_is_half_size(tiny):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rng_range", [(0, 2), (1, 3), (2, 4)], ids=["head", "middle", "tail"])
-def test_export_import_round_trip(tiny, rng_range, dtype):
+def test_export_import_round_trip(tiny_f32, rng_range, dtype):
     a, b = rng_range
-    src, dst = backend(tiny, a, b, dtype), backend(tiny, a, b, dtype)
+    src, dst = backend(tiny_f32, a, b, dtype), backend(tiny_f32, a, b, dtype)
     rng = np.random.default_rng(1)
     xs = TINY_PROMPT if src.is_head else rng.standard_normal((len(TINY_PROMPT), src.hidden_size)).astype(np.float32)
     src.open_session("s", 32)
@@ -297,16 +287,16 @@ def test_export_import_round_trip(tiny, rng_range, dtype):
         np.testing.assert_array_equal(src.decode_step("copy", pos, xs[pos : pos + 1]), want)
 
 
-def test_import_rejects_mismatched_snapshots(tiny):
-    src = backend(tiny, 0, 2)
+def test_import_rejects_mismatched_snapshots(tiny_f32):
+    src = backend(tiny_f32, 0, 2)
     src.open_session("s", 16)
     src.prefill("s", 0, TINY_PROMPT[:4])
     blob = src.export_state("s")
-    other_range = backend(tiny, 0, 3)
+    other_range = backend(tiny_f32, 0, 3)
     with pytest.raises(BadInput):
         other_range.import_state("s", 16, 4, blob)
     with pytest.raises(BadInput):
-        backend(tiny, 0, 2, "bfloat16").import_state("s", 16, 4, blob)  # other cache ABI
+        backend(tiny_f32, 0, 2, "bfloat16").import_state("s", 16, 4, blob)  # other cache ABI
     with pytest.raises(BadInput):
         src.import_state("t", 16, 5, blob)  # wrong position: the blob holds 4
     src.import_state("t", 16, 3, blob)  # positions beyond 3 (a speculative step's drafts) are dropped
@@ -367,10 +357,10 @@ def _batched_vs_solo(path, start, end, prompts, steps=3, atol=1e-5):
             np.testing.assert_allclose(g, w, rtol=0, atol=atol)
 
 
-def test_batched_decode_equals_solo_tiny(tiny):
+def test_batched_decode_equals_solo_tiny(tiny_f32):
     prompts = [TINY_PROMPT[:3], TINY_PROMPT[:8], TINY_PROMPT[:5]]
     for start, end in ((0, 4), (0, 2), (1, 3), (2, 4)):
-        _batched_vs_solo(tiny, start, end, prompts)
+        _batched_vs_solo(tiny_f32, start, end, prompts)
 
 
 def test_batched_decode_equals_solo_smollm2(smollm2_path):
@@ -380,8 +370,8 @@ def test_batched_decode_equals_solo_smollm2(smollm2_path):
 # -- capability and loading ----------------------------------------------------------------
 
 
-def test_capability(tiny):
-    b = TorchBackend(tiny, 1, 3, threads=1)
+def test_capability(tiny_f32):
+    b = TorchBackend(tiny_f32, 1, 3, threads=1)
     cap = b.capability
     assert cap.model_arch == "llama" and cap.supported_runtime == "torch"
     assert cap.supports_prefill and cap.supports_decode_step and cap.supports_layer_range
@@ -390,16 +380,16 @@ def test_capability(tiny):
     assert cap.prefill_tokens_per_second > 0 and cap.decode_tokens_per_second > 0
     assert cap.active_memory_floor == sum(p.nbytes for p in b.model.parameters())
     assert b.forward_calls == 0  # the self-benchmark is not a session call
-    assert backend(tiny, 0, 4, "bfloat16").capability.cache_abi == "torch-bfloat16-normrope-v1"
-    unmeasured = backend(tiny, 0, 4)
+    assert backend(tiny_f32, 0, 4, "bfloat16").capability.cache_abi == "torch-bfloat16-normrope-v1"
+    unmeasured = backend(tiny_f32, 0, 4)
     assert unmeasured.capability.prefill_tokens_per_second == 0.0  # selfbench off
     prefill, decode = unmeasured.benchmark()  # taken again later (an idle worker does)
     assert prefill > 0 and decode > 0 and unmeasured.capability.decode_tokens_per_second == decode
     assert unmeasured.forward_calls == 0
 
 
-def test_loads_only_the_ranges_tensors(tiny):
-    head, mid, tail, whole = (backend(tiny, a, b) for a, b in ((0, 1), (1, 2), (3, 4), (0, 4)))
+def test_loads_only_the_ranges_tensors(tiny_f32):
+    head, mid, tail, whole = (backend(tiny_f32, a, b) for a, b in ((0, 1), (1, 2), (3, 4), (0, 4)))
     assert len(mid.model.layers) == 1 and len(whole.model.layers) == 4
     assert not hasattr(mid.model, "tok_embeddings") and not hasattr(mid.model, "lm_head")
     assert hasattr(head.model, "tok_embeddings") and not hasattr(head.model, "lm_head")
@@ -431,15 +421,15 @@ def test_unsupported_architecture(gemma3_path):
         TorchBackend(gemma3_path, 0, 4)
 
 
-def test_bad_construction(tiny):
+def test_bad_construction(tiny_f32):
     with pytest.raises(BadInput):
-        backend(tiny, 2, 5)
+        backend(tiny_f32, 2, 5)
     with pytest.raises(BadInput):
-        backend(tiny, 0, 4, "float16")
+        backend(tiny_f32, 0, 4, "float16")
 
 
-def test_close_backend(tiny):
-    b = backend(tiny, 0, 4)
+def test_close_backend(tiny_f32):
+    b = backend(tiny_f32, 0, 4)
     b.open_session("a", 8)
     b.close()
     assert b.sessions() == {}
