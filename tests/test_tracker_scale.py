@@ -296,3 +296,21 @@ async def test_a_simulated_node_beats_at_once_when_a_session_opens_and_when_it_e
         await asyncio.gather(loop, return_exceptions=True)
         for sub in pool._subs:
             await sub.unsubscribe()
+
+
+@pytest.mark.timeout(60)
+async def test_a_tracker_that_stops_passes_on_the_heartbeats_it_took_and_had_not_sent(bus, trackers, monkeypatch):  # noqa: F811
+    await peers_known(trackers)
+    monkeypatch.setattr(beats, "RELAY_INTERVAL_S", 30.0)  # no timed relay from here on: only the stop sends one
+    await asyncio.sleep(2 * 0.2)  # every relay loop is in its long sleep now
+    leaving, *staying = trackers
+    before = [t.beats.applied for t in staying]
+    hb = messages.NodeHeartbeat(node_id="ghost", seq=1, ts=time.time(), layer_start=0, layer_end=30, cache_abi="x")
+    await leaving.beats.take(hb, True, len(messages.encode(hb)))
+    trackers.remove(leaving)  # stopped here, not by the fixture
+    await leaving.stop()
+    await leaving.nc.close()
+    deadline = time.monotonic() + 5
+    while [t.beats.applied for t in staying] != [b + 1 for b in before]:
+        assert time.monotonic() < deadline, ([t.beats.applied for t in staying], before)
+        await asyncio.sleep(0.05)

@@ -19,9 +19,10 @@ Consistency. A whole heartbeat is applied as a direct one is: the registry drops
 before the one it has (seq and ts both behind), so one overtaken by the node's next heartbeat
 through another tracker changes nothing. Liveness is read on the receiving tracker's clock, at
 most RELAY_INTERVAL_S and a bus trip later than the tracker that took it: small against the
-expiry (5 s). A tracker that dies loses the batch it had not sent: those nodes look up to a
-second older on the others until their next heartbeat, which the queue group gives to a live
-tracker; a change of state lost with it is sent again with the node's next whole heartbeat.
+expiry (5 s). A tracker that stops sends the batch it holds once it has left the queue group
+(``hand_over``). One that dies loses it: those nodes look up to a second older on the others
+until their next heartbeat, which the queue group gives to a live tracker; a change of state lost
+with it is sent again with the node's next whole heartbeat.
 Every WHOLE_EVERY-th heartbeat of a node (by its seq) goes whole whatever it says, so what the id
 alone leaves out (memory pressure on the map, throughput drifting within the noise) is at most
 that many heartbeats old on the other trackers, and a tracker that missed a change catches up.
@@ -144,6 +145,13 @@ class HeartbeatShare:
             return
         self._sent_at = self._clock()
         self.passed_on += len(relay.heartbeats) + len(relay.alive)
+
+    async def hand_over(self) -> None:
+        """At a graceful stop, once no more heartbeats are taken here: what waits goes to the others
+        now, where the next relay would never go (a changed heartbeat would reach them only with
+        the node's next change or next whole one, up to WHOLE_EVERY beats later)."""
+        if self._whole or self._alive:
+            await self.flush()
 
     async def run(self) -> None:
         """The relays' timer and the beacon; the first beacon at once."""

@@ -218,6 +218,7 @@ class TrackerService:
             except nats.errors.Error:
                 pass
         self._subs = []
+        await self.beats.hand_over()
         if self.placer is not None:
             await self.placer.stop()
         if self.placement is not None:
