@@ -244,7 +244,7 @@ class NeuronClient:
         msg = await self.ask_tracker(S.ROUTE_REQUEST, req, CONTROL_TIMEOUT_S)
         reply = self.reply(msg, M.RouteReply, f"the tracker on {S.ROUTE_REQUEST}")
         if isinstance(reply, M.RouteRejection):
-            raise RouteError(Reason.NO_ROUTE, "no route: " + "; ".join(reply.reasons))
+            raise RouteError(Reason.of(reply.code), "no route: " + "; ".join(reply.reasons))
         return reply
 
     async def sessions(self, node_id: str) -> M.SessionsReport:

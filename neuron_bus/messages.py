@@ -22,6 +22,11 @@ from workers.errors import Reason
 from workers.protocol import Capability as BackendCapability  # the backends' own report: workers/ owns that interface
 
 SCHEMA_VERSION = 1
+# The swarm's wire protocol. Nodes, trackers and clients work together only on the same protocol:
+# a tracker routes through nodes that report its own and answers requests of its own only, and a
+# node opens sessions only on routes assigned under its own. Raised by any change a peer of the
+# previous protocol would misread (a message's meaning, the activation wire, the hop header).
+PROTOCOL = 1
 MAX_SPECULATIVE = 16  # draft tokens one decode step may carry at most (SessionOpen.speculative)
 
 Phase = Literal["queued", "loading", "prefill", "decode", "done", "failed"]
@@ -81,6 +86,7 @@ class PlacementRequest(Struct):
     fit: NodeFit
     backend_id: str = "llama-cpp"
     trust_tier: TrustTier = "untrusted"
+    protocol: int = PROTOCOL  # the node's: a tracker of another places it nowhere
 
 
 class PlacementDecision(Struct, tag_field="type", tag="placement"):
@@ -131,6 +137,7 @@ class CapabilityReport(BackendCapability, kw_only=True):
     # a mixture-of-experts layer counts its active experts only; the tail's last entry includes the
     # output head (artifacts/work.py). [] unknown
     active_parameters_per_layer: list[float] = []
+    protocol: int = PROTOCOL  # the node's (PROTOCOL): a tracker of another never routes through it
 
     def __post_init__(self) -> None:
         _check_node(self.node_id, self.layer_start, self.layer_end, self.n_layers_total)
@@ -228,6 +235,7 @@ class RouteRequest(Struct):
     policy: RoutePolicy = "public"
     wire_dtype: WireDtype = "f32"
     encoding: Encoding = "raw"
+    protocol: int = PROTOCOL  # the client's
 
 
 class RouteHop(Struct):
@@ -252,6 +260,7 @@ class RouteAssignment(Struct, tag_field="type", tag="route"):
     encoding: Encoding = "raw"
     created_at: float = 0.0
     policy: RoutePolicy = "public"  # the policy the route was planned under
+    protocol: int = PROTOCOL  # the assigning tracker's: a node of another refuses the route's sessions
 
 
 class RouteRejection(Struct, tag_field="type", tag="rejected"):
@@ -259,6 +268,7 @@ class RouteRejection(Struct, tag_field="type", tag="rejected"):
 
     request_id: str
     reasons: list[str]
+    code: str = Reason.NO_ROUTE.value  # or protocol: the request's is not the tracker's (asking again will not help)
 
 
 # --------------------------------------------------------------------------------------------
@@ -865,6 +875,7 @@ class TrackedNode(Struct):
     slow: bool = False
     trust_tier: TrustTier = "untrusted"
     flagged: bool = False  # audits caught it: never routed
+    protocol: int = PROTOCOL  # the node's: one other than the tracker's is never routed
 
 
 class LeaseRecord(Struct):

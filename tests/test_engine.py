@@ -8,17 +8,20 @@ closed mid-compute, and where snapshots fall due.
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
 from neuron_bus import codec
 from neuron_bus import messages as M
+from neuron_bus.errors import NeuronBusError
 from neuron_bus.execution import open_range, open_reference, open_tokenizer
 from neuron_bus.routes import hop_header
 from neuron_bus.worker.audit_trail import AuditTrail
 from neuron_bus.worker.engine import EngineOptions, Failed, Gone, HopEngine, Incoming, Output
 from neuron_bus.worker.tail import TailDecoder
 from tests import wire
+from workers.errors import Reason
 
 N_CTX = 64
 PROMPT = [1, 5, 9, 13, 17, 21, 25]
@@ -236,6 +239,17 @@ def test_snapshots_fall_due_at_the_same_positions_on_every_hop_and_never_after_t
         r.close()
     # the prompt (7) ends in the chunk [4, 7): 8 and 12 are crossed in decode; the 9th token (position 16) is the last
     assert due[0] == due[1] == [8, 12]
+
+
+def test_a_hop_refuses_a_session_on_a_route_assigned_under_another_protocol(route):
+    newer = msgspec.structs.replace(route.route, protocol=M.PROTOCOL + 1)
+    for i, e in enumerate(route.engines):
+        req = M.SessionOpen(session_id="s", route=newer, hop_index=i, prompt_tokens=3, n_ctx=16, chunk_size=4)
+        with pytest.raises(NeuronBusError) as err:
+            e.check_open(req)
+        assert err.value.reason == Reason.PROTOCOL and f"n{i} speaks protocol {M.PROTOCOL}" in str(err.value)
+        assert e.sessions.get("s") is None
+    route.open("s")  # the same session on the route as assigned is welcome
 
 
 def test_noop_hops_move_the_real_shapes(tiny_f32, tmp_path):

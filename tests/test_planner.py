@@ -257,6 +257,20 @@ def test_wire_dtype_and_readiness_filters_explain():
     assert isinstance(result, Rejection) and "a: status draining" in result.reasons[0]
 
 
+def test_a_node_of_another_protocol_is_never_routed_and_the_map_says_which_it_speaks():
+    newer = messages.PROTOCOL + 1
+    views = [node("old", 0, 30, tps=500), node("new", 0, 30, protocol=newer)]
+    assert not views[1].usable and route_of(plan_route(request(), views)) == [("old", 0, 30)]
+    result = plan_route(request(), views[1:])
+    assert isinstance(result, Rejection)
+    assert f"new: speaks protocol {newer}, this tracker {messages.PROTOCOL}" in result.reasons[0]
+    cov = coverage_report(views[1:], 0.0, P)
+    assert {r.status for r in rows_for(cov, 0, 29)} == {"gap"}
+    assert [(n.node_id, n.protocol) for n in coverage_report(views, 0.0, P).nodes] == [
+        ("new", newer), ("old", messages.PROTOCOL)
+    ]  # fmt: skip
+
+
 def test_misaligned_ranges_cover_every_layer_but_do_not_chain():
     views = [node("a", 0, 10), node("b", 5, 30)]
     result = plan_route(request(), views)

@@ -17,11 +17,15 @@ import pytest
 
 from neuron_bus import messages
 from neuron_bus import subjects as S
+from neuron_bus.client import NeuronClient, RouteError
+from neuron_bus.errors import NeuronBusError
 from neuron_bus.topology import connect, ensure_topology
 from neuron_bus.tracker import TrackerParams, TrackerService, forked
 from neuron_bus.tracker.registry import Registry
 from neuron_bus.tracker.service import coverage_freshness
+from neuron_bus.worker.source import ask_for_range
 from tests.test_planner import report
+from workers.errors import Reason
 
 BIN = str(Path(sys.executable).parent / "neuron-bus")
 EXPIRY = 1.0
@@ -452,6 +456,31 @@ async def test_malformed_route_request_gets_a_rejection(bus, tracker):
     msg = await bus.nc.request(S.ROUTE_REQUEST, b"{not json", timeout=5)
     reply = messages.decode(msg.data, messages.RouteReply)
     assert isinstance(reply, messages.RouteRejection) and "malformed RouteRequest" in reply.reasons[0]
+    assert reply.code == "bad_json"
+
+
+async def test_protocols_do_not_mix_a_node_or_a_client_of_another_is_told_which_the_tracker_speaks(bus, tracker):
+    newer = messages.PROTOCOL + 1
+    await bus.node("current", 0, 30)
+    await bus.node("upgraded", 0, 30, tps=500, protocol=newer)  # faster: the route's choice, were it usable
+    await live(tracker, "current", "upgraded")
+    for i in range(4):
+        route = await ask_route(bus.nc, request_id=f"p{i}")
+        assert hops(route) == [("current", 0, 30)] and route.protocol == messages.PROTOCOL
+    listed = {n.node_id: n.protocol for n in (await ask_coverage(bus.nc)).nodes}
+    assert listed == {"current": messages.PROTOCOL, "upgraded": newer}
+    async with await NeuronClient.connect(bus.url, tracker_wait=0) as client:
+        with pytest.raises(RouteError) as err:
+            await client.route("smollm2-135m", protocol=newer)  # a client of the newer protocol
+    assert err.value.reason == Reason.PROTOCOL
+    assert f"speaks protocol {messages.PROTOCOL}, this request {newer}" in str(err.value)
+    # a --layers auto node of the newer protocol is placed nowhere (it would load a range never routed)
+    join = messages.PlacementRequest(
+        node_id="joining", model_preset="smollm2-135m", fit=messages.NodeFit(max_layers=30), protocol=newer
+    )
+    with pytest.raises(NeuronBusError) as refused:
+        await ask_for_range(bus.nc, join, wait_s=10)
+    assert refused.value.reason == Reason.NOT_PLACED and f"the node {newer}" in str(refused.value)
 
 
 async def test_policy_private_uses_only_trusted_nodes(bus, tracker):

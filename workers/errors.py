@@ -79,6 +79,7 @@ class Reason(StrEnum):
     POSITION_GAP = "position_gap"
     PREFIX_MISSING = "prefix_missing"
     PREFILL_FAILED = "prefill_failed"
+    PROTOCOL = "protocol"  # peers of different wire protocols (neuron_bus.messages.PROTOCOL)
     QUEUE_FULL = "queue_full"
     REMOTE_ERROR = "remote_error"
     REPAIR_FAILED = "repair_failed"

@@ -290,4 +290,5 @@ def tracked_node(v: NodeView, slow: bool) -> TrackedNode:
         slow=slow,
         trust_tier=v.caps.trust_tier,
         flagged=v.flagged,
+        protocol=v.caps.protocol,
     )

@@ -150,6 +150,9 @@ class Placer:
             await msg.respond(M.encode(reply))
 
     async def place(self, req: M.PlacementRequest) -> M.PlacementReply:
+        if req.protocol != M.PROTOCOL:  # it would load a range that is never routed
+            why = f"this tracker speaks protocol {M.PROTOCOL}, the node {req.protocol}: run the same neuron-bus version"
+            return M.PlacementRejection(node_id=req.node_id, reasons=[why])
         async with self._lock:
             manifests = await self.catalog.models(req.model_preset, fresh=True)
             if not manifests:

@@ -74,6 +74,7 @@ from neuron_bus.errors import MalformedMessage, NeuronBusError
 from neuron_bus.gctune import collect_frozen_too, freeze_old_objects
 from neuron_bus.lease import Lease, LeaseError
 from neuron_bus.messages import (
+    PROTOCOL,
     CapabilityReport,
     CoverageRequest,
     NodeHeartbeat,
@@ -389,6 +390,15 @@ class TrackerService:
 
     async def route(self, req: RouteRequest) -> RouteAssignment | RouteRejection:
         """Plan, record, publish and hand out a route, or say why not."""
+        if req.protocol != PROTOCOL:
+            return RouteRejection(
+                request_id=req.request_id,
+                reasons=[
+                    f"tracker {self.tracker_id} speaks protocol {PROTOCOL}, this request {req.protocol}: "
+                    "the client and the swarm must run compatible neuron-bus versions"
+                ],
+                code=Reason.PROTOCOL.value,
+            )
         result = self._plan(req)
         waited = _mono() - (self._started_at or 0.0)
         if isinstance(result, Rejection) and waited < self.params.warmup:
@@ -465,7 +475,8 @@ class TrackerService:
             try:
                 req = messages.decode(msg.data, RouteRequest)
             except MalformedMessage as exc:
-                await msg.respond(messages.encode(RouteRejection(request_id="", reasons=[str(exc)])))
+                rejection = RouteRejection(request_id="", reasons=[str(exc)], code=Reason.BAD_JSON.value)
+                await msg.respond(messages.encode(rejection))
                 return
             await msg.respond(messages.encode(await self.route(req)))
         except nats.errors.Error as exc:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from neuron_bus.messages import CapabilityReport
+from neuron_bus.messages import PROTOCOL, CapabilityReport
 
 
 class Numerics(NamedTuple):
@@ -65,11 +65,13 @@ class NodeView:
 
     @property
     def usable(self) -> bool:
-        """Alive, ready, consistent, and able to run prefill and decode steps of its range."""
+        """Alive, ready, consistent, of this tracker's protocol, and able to run prefill and decode
+        steps of its range."""
         c = self.caps
         return (
             self.alive
             and self.status == "ready"
+            and c.protocol == PROTOCOL
             and self.consistent
             and self.valid_range
             and c.supports_prefill
