@@ -3,6 +3,7 @@ refusals (taken ports) before anything starts."""
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -91,6 +92,31 @@ def test_up_with_gemma3_serves_the_openai_client(tmp_path, shards):
         )
         assert r.choices[0].message.content
         assert len(r.neuron_route["nodes"]) == shards
+
+
+@pytest.mark.slow
+def test_up_behind_emulated_links_serves_and_each_worker_is_a_link_away(tmp_path):
+    delay_ms = 40
+    with running_up(tmp_path, "--link-delay-ms", str(delay_ms)) as (up, port, gateway):
+        deadline = time.monotonic() + 60
+        while True:  # a worker reports its round trip to the server once it has measured it
+            out = subprocess.run(
+                cli() + ["coverage", "--nats", f"nats://127.0.0.1:{port}", "--json"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 0, out.stderr
+            rtts = [n["rtt_ms"] for n in json.loads(out.stdout)["nodes"]]
+            if len(rtts) == 2 and None not in rtts or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert len(rtts) == 2 and all(r is not None and r >= 2 * delay_ms for r in rtts), rtts  # the link, both ways
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway}/v1", api_key="x", max_retries=0, timeout=120)
+        r = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8
+        )
+        assert r.choices[0].message.content and len(r.neuron_route["nodes"]) == 2
 
 
 @contextmanager

@@ -41,14 +41,22 @@ def up(
     api_keys: Path = typer.Option(
         None, "--api-keys", help="The gateway's API keys file (`neuron-bus api-key add`): /v1 and /ws need a key."
     ),
+    link_delay_ms: float = typer.Option(
+        0.0,
+        min=0.0,
+        help="A WAN on this machine: every worker, the tracker and the gateway reach the nats-server over an "
+        "emulated link of this one-way delay (neuron_bus/wan/linkem.py).",
+    ),
 ) -> None:
     """Start nats-server, a tracker, N workers and the gateway on this machine; stop them all on Ctrl-C."""
     console = Console(stderr=True)
     try:
-        swarm = make_swarm(model, shards, backend, threads, nats_port, http_port, port, workdir, api_keys)
+        swarm = make_swarm(
+            model, shards, backend, threads, nats_port, http_port, port, workdir, api_keys, link_delay_ms
+        )
     except (NeuronBusError, ValueError) as exc:  # an unknown or bad model file, or no loadable split into --shards
         fail(str(exc))
-    start(swarm, console)
+    start(swarm, console, link_delay_ms)
     stop = stop_requested()
     try:
         if prompt:
@@ -72,15 +80,24 @@ def up(
         swarm.stop()
 
 
-def make_swarm(model, shards, backend, threads, nats_port, http_port, port, workdir, api_keys) -> LocalSwarm:
-    """The swarm `up` starts; a bad keys file is refused (ValueError) before anything starts."""
+def make_swarm(
+    model, shards, backend, threads, nats_port, http_port, port, workdir, api_keys, link_delay_ms=0.0
+) -> LocalSwarm:
+    """The swarm `up` starts (a star of emulated links with ``link_delay_ms``); a bad keys file is
+    refused (ValueError) before anything starts."""
     if api_keys:
         from neuron_bus.gateway.access import Access
 
         Access(api_keys)
-    return LocalSwarm(
+    kind, delayed = LocalSwarm, {}
+    if link_delay_ms:
+        from neuron_bus.wan.topologies import StarSwarm
+
+        kind, delayed = StarSwarm, {"delay_ms": link_delay_ms}
+    return kind(
         models.resolve(model),
         shards,
+        **delayed,
         backend=backend,
         threads=threads,
         workdir=workdir or Path(tempfile.mkdtemp(prefix="neuron-bus-up-")),
@@ -91,7 +108,7 @@ def make_swarm(model, shards, backend, threads, nats_port, http_port, port, work
     )
 
 
-def start(swarm: LocalSwarm, console: Console) -> None:
+def start(swarm: LocalSwarm, console: Console, link_delay_ms: float = 0.0) -> None:
     """Start every process (a progress line per step) and say what is up where."""
     try:
         with console.status("starting the swarm") as status:
@@ -108,6 +125,11 @@ def start(swarm: LocalSwarm, console: Console) -> None:
     for w in swarm.workers:
         if w.layers:
             console.print(f"  {w.node_id}: layers {w.layers[0]}-{w.layers[1] - 1}")
+    if link_delay_ms:
+        console.print(
+            f"links: the workers, the tracker and the gateway each reach the nats-server over an emulated link of "
+            f"{link_delay_ms:g} ms one way (a token crosses two per hop); {swarm.url} is the server itself"
+        )
     if swarm.gateway_url:
         console.print(
             f"gateway: {swarm.gateway_url}  (web page; OpenAI API at {swarm.gateway_url}/v1; /metrics, /healthz)"
