@@ -899,6 +899,7 @@ class CoverageReport(Struct, tag_field="type", tag="coverage"):
     models: list[ModelCoverage]
     nodes: list[TrackedNode] = []
     placements: list[PlacementDecision] = []  # the latest placement decisions (joins and moves), oldest first
+    protocol: int = PROTOCOL  # the tracker's: nodes of another are listed, never routed
 
 
 ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (

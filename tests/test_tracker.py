@@ -17,6 +17,7 @@ import pytest
 
 from neuron_bus import messages
 from neuron_bus import subjects as S
+from neuron_bus.cli.tracker import render
 from neuron_bus.client import NeuronClient, RouteError
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.topology import connect, ensure_topology
@@ -459,7 +460,9 @@ async def test_malformed_route_request_gets_a_rejection(bus, tracker):
     assert reply.code == "bad_json"
 
 
-async def test_protocols_do_not_mix_a_node_or_a_client_of_another_is_told_which_the_tracker_speaks(bus, tracker):
+async def test_protocols_do_not_mix_a_node_or_a_client_of_another_is_told_which_the_tracker_speaks(
+    bus, tracker, capsys, monkeypatch
+):
     newer = messages.PROTOCOL + 1
     await bus.node("current", 0, 30)
     await bus.node("upgraded", 0, 30, tps=500, protocol=newer)  # faster: the route's choice, were it usable
@@ -467,8 +470,12 @@ async def test_protocols_do_not_mix_a_node_or_a_client_of_another_is_told_which_
     for i in range(4):
         route = await ask_route(bus.nc, request_id=f"p{i}")
         assert hops(route) == [("current", 0, 30)] and route.protocol == messages.PROTOCOL
-    listed = {n.node_id: n.protocol for n in (await ask_coverage(bus.nc)).nodes}
-    assert listed == {"current": messages.PROTOCOL, "upgraded": newer}
+    cov = await ask_coverage(bus.nc)
+    assert cov.protocol == messages.PROTOCOL
+    assert {n.node_id: n.protocol for n in cov.nodes} == {"current": messages.PROTOCOL, "upgraded": newer}
+    monkeypatch.setenv("COLUMNS", "200")  # the table unabridged
+    render(cov)  # the CLI's table marks the node the tracker does not route
+    assert f"protocol {newer}: not routed" in capsys.readouterr().out
     async with await NeuronClient.connect(bus.url, tracker_wait=0) as client:
         with pytest.raises(RouteError) as err:
             await client.route("smollm2-135m", protocol=newer)  # a client of the newer protocol

@@ -176,7 +176,7 @@ def render(report: messages.CoverageReport, model: str | None = None) -> None:
                 n.node_id,
                 n.model_preset,
                 spell(n.layer_start, n.layer_end),
-                n.status if n.protocol == messages.PROTOCOL else f"[red]protocol {n.protocol}: not routed[/]",
+                n.status if n.protocol == report.protocol else f"[red]protocol {n.protocol}: not routed[/]",
                 "-" if n.decode_tokens_per_second is None else f"{n.decode_tokens_per_second:.1f}",
                 str(max(n.sessions_active, n.recently_assigned)),
                 str(n.queue_depth),
