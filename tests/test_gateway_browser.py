@@ -34,6 +34,7 @@ def test_page_submits_a_prompt_and_shows_streamed_text_and_a_finished_state(swar
     (a, b), (c, d) = (w.layers for w in swarm.workers)  # the work-balanced split: 0–18 | 19–29
     assert f"worker-0 smollm2-135m {a}–{b - 1} yes" in coverage and f"worker-1 smollm2-135m {c}–{d - 1} yes" in coverage
     assert re.search(r"map built \d+\.\d s ago", coverage), coverage  # how old the tracker's map is
+    assert coverage.count(" ready ") == 2 and "not routed" not in coverage, coverage  # both of the tracker's protocol
 
     box = browser.find_element(By.ID, "prompt")
     box.send_keys("Write a short poem about the sea.")
