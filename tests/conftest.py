@@ -69,12 +69,21 @@ def tiny_f32(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference(smollm2_path):
-    """Greedy tokens from the single-process full-model llama.cpp backend."""
+    """Greedy tokens from the single-process full-model llama.cpp backend (one thread).
+
+    `reference(ids, n)` gives them; `reference.soon(ids, n)` starts them on the fixture's own thread
+    and returns a Future, so a test can have them computed while its route works: the llama.cpp
+    call leaves the GIL, and the route's processes and the reference share the cores instead of
+    taking turns. Every call runs on that one thread, one at a time (the backend holds one session).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
     from workers.llama_cpp_full import LlamaCppFullBackend
     from workers.tokenizer import Tokenizer
 
     tok = Tokenizer(smollm2_path)
     backend = LlamaCppFullBackend(smollm2_path, n_threads=1, n_ctx=4608, max_sessions=1)
+    thread = ThreadPoolExecutor(1, thread_name_prefix="reference")
 
     def greedy(prompt_ids: list[int], n: int) -> list[int]:
         backend.open_session("ref", len(prompt_ids) + n)
@@ -89,8 +98,15 @@ def reference(smollm2_path):
         finally:
             backend.close_session("ref")
 
-    greedy.tokenizer = tok
-    yield greedy
+    def soon(prompt_ids: list[int], n: int):
+        return thread.submit(greedy, list(prompt_ids), n)
+
+    def now(prompt_ids: list[int], n: int) -> list[int]:
+        return soon(prompt_ids, n).result()
+
+    now.soon, now.tokenizer = soon, tok
+    yield now
+    thread.shutdown(cancel_futures=True)
     backend.close()
 
 
