@@ -268,7 +268,9 @@ class RouteRejection(Struct, tag_field="type", tag="rejected"):
 
     request_id: str
     reasons: list[str]
-    code: str = Reason.NO_ROUTE.value  # or protocol: the request's is not the tracker's (asking again will not help)
+    # no_route; bad_json (a malformed request); nats (the bus did not take the assignment: ask again);
+    # protocol (the request's is not the tracker's: asking again will not help)
+    code: str = Reason.NO_ROUTE.value
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from neuron_bus import subjects as S
 from neuron_bus.cli.tracker import render
 from neuron_bus.client import NeuronClient, RouteError
 from neuron_bus.errors import NeuronBusError
+from neuron_bus.gateway.bus import route_api_error
 from neuron_bus.topology import connect, ensure_topology
 from neuron_bus.tracker import TrackerParams, TrackerService, forked
 from neuron_bus.tracker.registry import Registry
@@ -458,6 +459,27 @@ async def test_malformed_route_request_gets_a_rejection(bus, tracker):
     reply = messages.decode(msg.data, messages.RouteReply)
     assert isinstance(reply, messages.RouteRejection) and "malformed RouteRequest" in reply.reasons[0]
     assert reply.code == "bad_json"
+
+
+async def test_a_route_the_bus_does_not_record_is_refused_naming_the_bus_and_the_gateway_says_retry(bus, tracker):
+    await bus.node("whole", 0, 30)
+    await live(tracker, "whole")
+    js = bus.nc.jetstream()
+    await js.delete_key_value(S.KV_ROUTES)  # the arbiter of assignments is gone: the write fails
+    async with await NeuronClient.connect(bus.url, tracker_wait=0) as client:
+        with pytest.raises(RouteError) as err:
+            await client.route("smollm2-135m")
+    assert err.value.reason == Reason.NATS
+    assert f"tracker {tracker.tracker_id}: the bus did not take the route assignment (KV {S.KV_ROUTES}" in str(
+        err.value
+    )
+    answer = route_api_error(err.value)  # what the gateway tells an HTTP client: try again, not a node's fault
+    response = answer.response()
+    assert response.status == 503 and response.headers["Retry-After"] == "5"
+    (whole,) = tracker.registry.views(time.monotonic())
+    assert whole.recently_assigned == 0  # the refused route's load was given back
+    await ensure_topology(js)  # the bucket is back: routes are recorded again
+    assert hops(await ask_route(bus.nc, request_id="again")) == [("whole", 0, 30)]
 
 
 async def test_protocols_do_not_mix_a_node_or_a_client_of_another_is_told_which_the_tracker_speaks(

@@ -89,6 +89,7 @@ RETRY_AFTER_S = {
     Reason.NO_ROUTE: 5,
     Reason.NO_TRACKER: 5,
     Reason.BUS_UNREACHABLE: 5,
+    Reason.NATS: 5,  # the bus did not take a write (a route assignment, a hop's output): a new try gets a new one
     Reason.NODE_UNREACHABLE: 5,
     Reason.NODE_LOST: 5,  # a dead node: the tracker stops routing to it within seconds
 }

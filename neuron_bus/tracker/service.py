@@ -414,7 +414,14 @@ class TrackerService:
             handed = await self._record(assignment, req, result, when)
         except (nats.errors.Error, jserr.Error) as exc:
             self.registry.forget_assignment(assignment, when, _mono())
-            return RouteRejection(request_id=req.request_id, reasons=[f"could not record the route assignment: {exc}"])
+            return RouteRejection(
+                request_id=req.request_id,
+                reasons=[
+                    f"tracker {self.tracker_id}: the bus did not take the route assignment "
+                    f"(KV {S.KV_ROUTES}, stream {S.STREAM_ROUTES}): {type(exc).__name__} {exc}".rstrip()
+                ],
+                code=Reason.NATS.value,
+            )
         if handed.created_at != assignment.created_at:
             self.registry.forget_assignment(assignment, when, _mono())
             log.info("route request %s asked again: route %s as recorded", req.request_id, handed.route_id)
