@@ -27,6 +27,15 @@ SCHEMA_VERSION = 1
 # node opens sessions only on routes assigned under its own. Raised by any change a peer of the
 # previous protocol would misread (a message's meaning, the activation wire, the hop header).
 PROTOCOL = 1
+
+
+def protocol_mismatch(us: str, them: str, theirs: int) -> str | None:
+    """Why ``us`` (of this build's protocol) will not work with ``them`` (of ``theirs``), or None."""
+    if theirs == PROTOCOL:
+        return None
+    return f"{us} speaks protocol {PROTOCOL}, {them} {theirs}: run compatible neuron-bus versions"
+
+
 MAX_SPECULATIVE = 16  # draft tokens one decode step may carry at most (SessionOpen.speculative)
 
 Phase = Literal["queued", "loading", "prefill", "decode", "done", "failed"]

@@ -263,7 +263,7 @@ def test_a_node_of_another_protocol_is_never_routed_and_the_map_says_which_it_sp
     assert not views[1].usable and route_of(plan_route(request(), views)) == [("old", 0, 30)]
     result = plan_route(request(), views[1:])
     assert isinstance(result, Rejection)
-    assert f"new: speaks protocol {newer}, this tracker {messages.PROTOCOL}" in result.reasons[0]
+    assert f"new: this tracker speaks protocol {messages.PROTOCOL}, the node {newer}" in result.reasons[0]
     cov = coverage_report(views[1:], 0.0, P)
     assert {r.status for r in rows_for(cov, 0, 29)} == {"gap"}
     assert [(n.node_id, n.protocol) for n in coverage_report(views, 0.0, P).nodes] == [

@@ -150,8 +150,7 @@ class Placer:
             await msg.respond(M.encode(reply))
 
     async def place(self, req: M.PlacementRequest) -> M.PlacementReply:
-        if req.protocol != M.PROTOCOL:  # it would load a range that is never routed
-            why = f"this tracker speaks protocol {M.PROTOCOL}, the node {req.protocol}: run the same neuron-bus version"
+        if why := M.protocol_mismatch("this tracker", "the node", req.protocol):  # it would load a range never routed
             return M.PlacementRejection(node_id=req.node_id, reasons=[why])
         async with self._lock:
             manifests = await self.catalog.models(req.model_preset, fresh=True)

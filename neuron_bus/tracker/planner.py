@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from neuron_bus.messages import PROTOCOL, RouteAssignment, RouteHop, RouteRejection, RouteRequest
+from neuron_bus.messages import RouteAssignment, RouteHop, RouteRejection, RouteRequest, protocol_mismatch
 from neuron_bus.routes import TRUSTED_TIERS, hop_subject
 from neuron_bus.tracker import layers, speed
 from neuron_bus.tracker.index import GroupIndex, RangeClass, RouteIndex, ring_weight
@@ -114,8 +114,8 @@ def _filters(req: RouteRequest) -> list[_Filter]:
 
 
 def _unusable(v: NodeView) -> str:
-    if v.caps.protocol != PROTOCOL:
-        return f"speaks protocol {v.caps.protocol}, this tracker {PROTOCOL}: run the same neuron-bus version"
+    if mismatch := protocol_mismatch("this tracker", "the node", v.caps.protocol):
+        return mismatch
     if not v.consistent:
         return "heartbeat contradicts its capability report"
     if not v.valid_range:

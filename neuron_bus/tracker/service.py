@@ -74,13 +74,13 @@ from neuron_bus.errors import MalformedMessage, NeuronBusError
 from neuron_bus.gctune import collect_frozen_too, freeze_old_objects
 from neuron_bus.lease import Lease, LeaseError
 from neuron_bus.messages import (
-    PROTOCOL,
     CapabilityReport,
     CoverageRequest,
     NodeHeartbeat,
     RouteAssignment,
     RouteRejection,
     RouteRequest,
+    protocol_mismatch,
 )
 from neuron_bus.ping import ping_many, server_round_trip
 from neuron_bus.tasks import Background
@@ -390,15 +390,8 @@ class TrackerService:
 
     async def route(self, req: RouteRequest) -> RouteAssignment | RouteRejection:
         """Plan, record, publish and hand out a route, or say why not."""
-        if req.protocol != PROTOCOL:
-            return RouteRejection(
-                request_id=req.request_id,
-                reasons=[
-                    f"tracker {self.tracker_id} speaks protocol {PROTOCOL}, this request {req.protocol}: "
-                    "the client and the swarm must run compatible neuron-bus versions"
-                ],
-                code=Reason.PROTOCOL.value,
-            )
+        if why := protocol_mismatch(f"tracker {self.tracker_id}", "this request", req.protocol):
+            return RouteRejection(request_id=req.request_id, reasons=[why], code=Reason.PROTOCOL.value)
         result = self._plan(req)
         waited = _mono() - (self._started_at or 0.0)
         if isinstance(result, Rejection) and waited < self.params.warmup:

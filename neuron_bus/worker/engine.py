@@ -370,12 +370,8 @@ class HopEngine:
         if self.draining:
             raise NeuronBusError(Reason.DRAINING, f"{self.node_id} is moving to other layers and takes no new sessions")
         route = req.route
-        if route.protocol != M.PROTOCOL:
-            raise NeuronBusError(
-                Reason.PROTOCOL,
-                f"{self.node_id} speaks protocol {M.PROTOCOL}, route {route.route_id} was assigned under "
-                f"{route.protocol}: the node and the tracker must run compatible neuron-bus versions",
-            )
+        if why := M.protocol_mismatch(self.node_id, f"route {route.route_id} was assigned under", route.protocol):
+            raise NeuronBusError(Reason.PROTOCOL, why)
         if not 0 <= req.hop_index < len(route.hops):
             raise ValueError(f"hop index {req.hop_index} is outside route {route.route_id}")
         hop = route.hops[req.hop_index]
