@@ -222,6 +222,7 @@ class HeartbeatRelay(Struct):
     tracker_id: str
     heartbeats: list[NodeHeartbeat] = []
     alive: list[str] = []  # nodes whose heartbeat changed nothing a route is planned on
+    leaving: bool = False  # its tracker stops: the last relay it sends, pass nothing on to it any more
 
     def __post_init__(self) -> None:
         _require(

@@ -299,7 +299,7 @@ async def test_a_simulated_node_beats_at_once_when_a_session_opens_and_when_it_e
 
 
 @pytest.mark.timeout(60)
-async def test_a_tracker_that_stops_passes_on_the_heartbeats_it_took_and_had_not_sent(bus, trackers, monkeypatch):  # noqa: F811
+async def test_a_stopping_tracker_passes_on_the_heartbeats_it_holds_and_says_it_left(bus, trackers, monkeypatch):  # noqa: F811
     await peers_known(trackers)
     monkeypatch.setattr(beats, "RELAY_INTERVAL_S", 30.0)  # no timed relay from here on: only the stop sends one
     await asyncio.sleep(2 * 0.2)  # every relay loop is in its long sleep now
@@ -314,3 +314,5 @@ async def test_a_tracker_that_stops_passes_on_the_heartbeats_it_took_and_had_not
     while [t.beats.applied for t in staying] != [b + 1 for b in before]:
         assert time.monotonic() < deadline, ([t.beats.applied for t in staying], before)
         await asyncio.sleep(0.05)
+    # and the others no longer pass heartbeats on to it, at once rather than PEER_TIMEOUT_S later
+    assert all(t.beats.peers() == [s.tracker_id for s in staying if s is not t] for t in staying)

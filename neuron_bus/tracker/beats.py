@@ -20,9 +20,11 @@ before the one it has (seq and ts both behind), so one overtaken by the node's n
 through another tracker changes nothing. Liveness is read on the receiving tracker's clock, at
 most RELAY_INTERVAL_S and a bus trip later than the tracker that took it: small against the
 expiry (5 s). A tracker that stops sends the batch it holds once it has left the queue group
-(``hand_over``). One that dies loses it: those nodes look up to a second older on the others
-until their next heartbeat, which the queue group gives to a live tracker; a change of state lost
-with it is sent again with the node's next whole heartbeat.
+(``hand_over``), in a relay marked ``leaving``: the others stop passing heartbeats on to it at
+once instead of PEER_TIMEOUT_S later, and it sends nothing after it. One that dies loses its
+batch: those nodes look up to a second older on the others until their next heartbeat, which the
+queue group gives to a live tracker; a change of state lost with it is sent again with the node's
+next whole heartbeat.
 Every WHOLE_EVERY-th heartbeat of a node (by its seq) goes whole whatever it says, so what the id
 alone leaves out (memory pressure on the map, throughput drifting within the noise) is at most
 that many heartbeats old on the other trackers, and a tracker that missed a change catches up.
@@ -98,6 +100,7 @@ class HeartbeatShare:
         self._bytes = 0
         self._sent_at = float("-inf")
         self._whole_until = float("-inf")
+        self._left = False  # the leaving relay went: nothing more is sent
         self._peers: dict[str, float] = {}  # the other trackers -> when last heard
         self.passed_on = 0  # heartbeats sent to the other trackers (whole or as ids)
         self.applied = 0  # heartbeats the other trackers took, applied here (whole or as ids)
@@ -130,9 +133,12 @@ class HeartbeatShare:
         if self._bytes >= RELAY_MAX_BYTES:
             await self.flush()
 
-    async def flush(self) -> None:
+    async def flush(self, leaving: bool = False) -> None:
         """Send what waits (an empty relay is the beacon)."""
-        relay = HeartbeatRelay(tracker_id=self.tracker_id, heartbeats=self._whole, alive=self._alive)
+        if self._left:
+            return
+        self._left = leaving
+        relay = HeartbeatRelay(tracker_id=self.tracker_id, heartbeats=self._whole, alive=self._alive, leaving=leaving)
         self._whole, self._alive, self._bytes = [], [], 0
         try:
             await self.nc.publish(S.TRACKER_HEARTBEATS, messages.encode(relay))
@@ -149,9 +155,9 @@ class HeartbeatShare:
     async def hand_over(self) -> None:
         """At a graceful stop, once no more heartbeats are taken here: what waits goes to the others
         now, where the next relay would never go (a changed heartbeat would reach them only with
-        the node's next change or next whole one, up to WHOLE_EVERY beats later)."""
-        if self._whole or self._alive:
-            await self.flush()
+        the node's next change or next whole one, up to WHOLE_EVERY beats later), with word that
+        this tracker leaves. Nothing is sent after it, not even a beacon."""
+        await self.flush(leaving=True)
 
     async def run(self) -> None:
         """The relays' timer and the beacon; the first beacon at once."""
@@ -172,8 +178,12 @@ class HeartbeatShare:
         if relay.tracker_id == self.tracker_id:
             return
         now = self._clock()
-        new = relay.tracker_id not in self._peers
-        self._peers[relay.tracker_id] = now
+        new = relay.tracker_id not in self._peers and not relay.leaving
+        if relay.leaving:
+            if self._peers.pop(relay.tracker_id, None) is not None:
+                log.info("tracker %s stops: heartbeats are no longer passed on to it", relay.tracker_id)
+        else:
+            self._peers[relay.tracker_id] = now
         if new:
             log.info("tracker %s is there: heartbeats taken here are passed on to it", relay.tracker_id)
             self._whole_until = now + WHOLE_FOR_NEW_S  # it learns every node's state from them
