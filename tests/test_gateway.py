@@ -147,6 +147,33 @@ def test_openai_client_streams_chat_and_returns_logprobs_and_usage(swarm):
     assert done.usage.prompt_tokens == 3
 
 
+def test_a_chats_next_turn_reports_the_prompt_tokens_its_route_took_from_the_prefix_caches(swarm):
+    """usage.prompt_tokens_details.cached_tokens, as OpenAI reports prompt caching: 0 on a first
+    turn, the positions attached from the hops' prefix caches (whole blocks) on the next ones."""
+    from openai import OpenAI
+
+    from neuron_bus.messages import PREFIX_BLOCK
+
+    client = OpenAI(base_url=swarm.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    rules = " ".join(f"Rule {i}: answer in plain words about harbour {i} and its {i % 7} cranes." for i in range(40))
+    messages = [{"role": "system", "content": rules}, {"role": "user", "content": "Which harbour is first?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+    assert first.usage.prompt_tokens >= 2 * PREFIX_BLOCK and first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And the last?"},
+    ]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached % PREFIX_BLOCK == 0 and 2 * PREFIX_BLOCK <= cached < second.usage.prompt_tokens, second.usage
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens >= cached  # the same prompt: its blocks are kept
+
+
 def test_streamed_completion_ends_with_done_and_carries_telemetry_comments(swarm):
     req = urllib.request.Request(
         swarm.gateway_url + "/v1/completions",

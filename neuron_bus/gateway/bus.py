@@ -71,8 +71,16 @@ class Tally:
         return "".join(d.text for d in self.deltas)
 
     def usage(self) -> dict:
+        """OpenAI's usage object; ``cached_tokens``: prompt positions the route attached from its
+        hops' prefix caches instead of computing them (a chat's next turn, a shared system prompt)."""
         n = len(self.deltas)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+        cached = self.telemetry.prefill_tokens_reused if self.telemetry is not None else 0
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": self.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
 
 def routable(report: M.CoverageReport) -> list[str]:
