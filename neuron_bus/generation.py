@@ -26,7 +26,7 @@ import numpy as np
 from neuron_bus import codec, session_events
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
-from neuron_bus.errors import RouteError
+from neuron_bus.errors import MalformedMessage, RouteError
 from neuron_bus.flow import publish
 from neuron_bus.ping import ping
 from neuron_bus.prefix import block_hashes
@@ -37,7 +37,12 @@ from neuron_bus.timing import heartbeat_loss_s
 from neuron_bus.trust import sealing
 from workers.errors import Reason
 
-STALL_TIMEOUT_S = 60.0  # no token, telemetry or error for this long: the route is considered dead
+# No token, telemetry or error for STALL_TIMEOUT_S: the route is considered dead, unless a node of
+# it said in its last heartbeat that it has other sessions or queued work (the session waits its
+# turn behind them: a prompt at a busy head hop shows no progress until it is computed); then for
+# at most BUSY_STALL_TIMEOUT_S.
+STALL_TIMEOUT_S = 60.0
+BUSY_STALL_TIMEOUT_S = 600.0
 CATCH_UP_S = 1.0  # this long without an event, the session's stored tokens are read for missed ones
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
 MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
@@ -96,6 +101,7 @@ class GenerationRun:
         self.sender: asyncio.Task | None = None
         self.watcher: asyncio.Task | None = None
         self.heartbeat_subs: list = []  # the current route's nodes' heartbeats (the watcher's)
+        self.last_beats: dict[str, bytes] = {}  # node -> its last heartbeat, encoded (read when the route is quiet)
         self.generated: list[int] = []  # token ids delivered, in order
         self.lost: set[str] = set()
         self.rtt: dict[str, float] = {}  # node -> seconds: a ping's round trip, once the session opened there
@@ -321,10 +327,12 @@ class GenerationRun:
     async def _watch_nodes(self, nodes: list[str]) -> asyncio.Task:
         """Follow the route nodes' heartbeats; queue ("lost", node) when one falls silent."""
         seen = {node: time.monotonic() for node in nodes}
+        beats = self.last_beats = {}
 
         def beat(node: str):
             async def cb(msg) -> None:
                 seen[node] = time.monotonic()
+                beats[node] = msg.data
 
             return cb
 
@@ -369,10 +377,11 @@ class GenerationRun:
                 kind, data = await asyncio.wait_for(self.queue.get(), CATCH_UP_S)
             except TimeoutError:
                 quiet += CATCH_UP_S
-                if quiet >= STALL_TIMEOUT_S:
+                if quiet >= STALL_TIMEOUT_S and (quiet >= BUSY_STALL_TIMEOUT_S or not self._route_busy()):
+                    busy = " (its nodes busy with other sessions all along)" if quiet >= BUSY_STALL_TIMEOUT_S else ""
                     raise RouteError(
                         Reason.STALLED,
-                        f"no progress from route {self.live_route.route_id} for {STALL_TIMEOUT_S:.0f}s",
+                        f"no progress from route {self.live_route.route_id} for {quiet:.0f}s{busy}",
                         phase=last_phase,
                     ) from None
                 await self._catch_up()  # a quiet route, or a subscription that missed messages
@@ -391,6 +400,18 @@ class GenerationRun:
                 continue  # a rejected stray message, a token already delivered, or not this session's
             last_phase = event.phase if isinstance(event, M.GenerationTelemetry) else "decode"
             yield event
+
+    def _route_busy(self) -> bool:
+        """Did a node of the route say in its last heartbeat that it has other sessions than this
+        one or queued work? Then a quiet session is waiting its turn, not lost."""
+        for data in self.last_beats.values():
+            try:
+                beat = M.decode(data, M.NodeHeartbeat)
+            except MalformedMessage:
+                continue
+            if beat.sessions_active > 1 or beat.queue_depth > 0:
+                return True
+        return False
 
     def _next_token(self, event: M.TokenDelta) -> bool:
         """Is ``event`` a token still to deliver? One already delivered (a repaired route, or read

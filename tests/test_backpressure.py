@@ -114,3 +114,40 @@ def test_prefill_memory_of_every_hop_is_bounded_by_chunk_size(smollm2_path, tmp_
     kv_bytes = 4096 * max(end - start for start, end in (w.layers for w in swarm.workers)) * 2 * 3 * 64 * 2
     for name, samples in rss.items():
         assert max(samples) - samples[0] < kv_bytes + 32 * 2**20, (name, max(samples) - samples[0])
+
+
+def test_a_prompt_waiting_its_turn_behind_other_sessions_is_not_failed_as_stalled(smollm2_path, tmp_path, monkeypatch):
+    """A head hop computes prompt chunks oldest first, so a session whose prompt waits behind the
+    others' shows no progress for as long as they take (here several seconds: four 512-position
+    chunks, one per call, on a head slowed by 500 ms a call). The client's stall timeout, cut to
+    3 s, fails a quiet route only while its nodes' heartbeats show nothing else to do."""
+    from neuron_bus import generation
+    from workers.tokenizer import Tokenizer
+
+    monkeypatch.setattr(generation, "STALL_TIMEOUT_S", 3.0)
+    ids = prompt(Tokenizer(smollm2_path), 520 + 4)
+    prompts = [ids[k : k + 520] for k in range(4)]  # a chunk of 512 each: no two fit one prefill call
+    sampling = M.SamplingParams(max_tokens=2, ignore_eos=True)
+    swarm = LocalSwarm(smollm2_path, 2, workdir=tmp_path, worker_extra={0: ["--slow-ms", "500"]})
+
+    async def one(c: NeuronClient, route, ids: list[int]) -> tuple[list[int], float]:
+        """The session's tokens, and the longest it went without any event."""
+        tokens, last, quiet = [], time.monotonic(), 0.0
+        async for ev in c.generate(
+            prompt_tokens=ids, route=route, sampling=sampling, chunk_size=512, prefill_retries=0
+        ):
+            now = time.monotonic()
+            quiet, last = max(quiet, now - last), now
+            if isinstance(ev, M.TokenDelta):
+                tokens.append(ev.token_id)
+        return tokens, quiet
+
+    async def scenario():
+        async with await NeuronClient.connect(swarm.url) as c:
+            route = await c.route(swarm.preset)
+            return await asyncio.gather(*(one(c, route, p) for p in prompts))
+
+    with swarm:
+        done = asyncio.run(scenario())
+    assert [len(tokens) for tokens, _ in done] == [2, 2, 2, 2]
+    assert max(quiet for _, quiet in done) > generation.STALL_TIMEOUT_S  # a prompt did wait longer than that
