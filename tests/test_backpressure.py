@@ -118,15 +118,15 @@ def test_prefill_memory_of_every_hop_is_bounded_by_chunk_size(smollm2_path, tmp_
 
 def test_a_prompt_waiting_its_turn_behind_other_sessions_is_not_failed_as_stalled(smollm2_path, tmp_path, monkeypatch):
     """A head hop computes prompt chunks oldest first, so a session whose prompt waits behind the
-    others' shows no progress for as long as they take (here several seconds: four 512-position
-    chunks, one per call, on a head slowed by 500 ms a call). The client's stall timeout, cut to
+    others' shows no progress for as long as they take (here several seconds: four chunks of 260
+    positions, one per call, on a head slowed by 500 ms a call). The client's stall timeout, cut to
     3 s, fails a quiet route only while its nodes' heartbeats show nothing else to do."""
     from neuron_bus import generation
     from workers.tokenizer import Tokenizer
 
     monkeypatch.setattr(generation, "STALL_TIMEOUT_S", 3.0)
-    ids = prompt(Tokenizer(smollm2_path), 520 + 4)
-    prompts = [ids[k : k + 520] for k in range(4)]  # a chunk of 512 each: no two fit one prefill call
+    ids = prompt(Tokenizer(smollm2_path), 264 + 4)
+    prompts = [ids[k : k + 264] for k in range(4)]  # a chunk of 260 each: no two fit one prefill call (512)
     sampling = M.SamplingParams(max_tokens=2, ignore_eos=True)
     swarm = LocalSwarm(smollm2_path, 2, workdir=tmp_path, worker_extra={0: ["--slow-ms", "500"]})
 
@@ -134,7 +134,7 @@ def test_a_prompt_waiting_its_turn_behind_other_sessions_is_not_failed_as_stalle
         """The session's tokens, and the longest it went without any event."""
         tokens, last, quiet = [], time.monotonic(), 0.0
         async for ev in c.generate(
-            prompt_tokens=ids, route=route, sampling=sampling, chunk_size=512, prefill_retries=0
+            prompt_tokens=ids, route=route, sampling=sampling, chunk_size=260, prefill_retries=0
         ):
             now = time.monotonic()
             quiet, last = max(quiet, now - last), now
