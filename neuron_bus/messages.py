@@ -29,13 +29,6 @@ SCHEMA_VERSION = 1
 PROTOCOL = 1
 
 
-def protocol_mismatch(us: str, them: str, theirs: int) -> str | None:
-    """Why ``us`` (of this build's protocol) will not work with ``them`` (of ``theirs``), or None."""
-    if theirs == PROTOCOL:
-        return None
-    return f"{us} speaks protocol {PROTOCOL}, {them} {theirs}: run compatible neuron-bus versions"
-
-
 MAX_SPECULATIVE = 16  # draft tokens one decode step may carry at most (SessionOpen.speculative)
 
 Phase = Literal["queued", "loading", "prefill", "decode", "done", "failed"]
@@ -71,6 +64,13 @@ def _check_node(node_id: str, layer_start: int, layer_end: int, n_layers: int | 
 def _non_negative(**values: float) -> None:
     for name, v in values.items():
         _require(v >= 0, f"{name} must not be negative")
+
+
+def protocol_mismatch(us: str, them: str, theirs: int) -> str | None:
+    """Why ``us`` (of this build's protocol) will not work with ``them`` (of ``theirs``), or None."""
+    if theirs == PROTOCOL:
+        return None
+    return f"{us} speaks protocol {PROTOCOL}, {them} {theirs}: run compatible neuron-bus versions"
 
 
 # --------------------------------------------------------------------------------------------
