@@ -24,7 +24,7 @@ from neuron_bus import subjects as S
 from neuron_bus.admission import DEFAULT_LIMIT as DEFAULT_QUEUE_LIMIT
 from neuron_bus.admission import Admission
 from neuron_bus.errors import MalformedMessage, RouteError
-from neuron_bus.generation import PREFILL_RETRIES, STALL_TIMEOUT_S, GenerationRun  # noqa: F401  (re-exported)
+from neuron_bus.generation import PREFILL_RETRIES, GenerationRun
 from neuron_bus.models import DEFAULT_PRESET
 from neuron_bus.timing import AVOID_LOST_S
 from neuron_bus.topology import connect, owner_of

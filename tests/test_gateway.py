@@ -374,6 +374,68 @@ def test_healthz_and_metrics(swarm):
     assert values["neuron_gateway_active_generations"] == 0
 
 
+# ---------------------------------------------------------------------------------------- following a session
+
+
+def test_a_follower_waits_out_a_quiet_session_and_is_told_when_its_client_left(smollm2_path, tmp_path):
+    """A second socket attached to a session follows it for as long as the generation runs in the
+    gateway, through quiet spells (here a head that takes 3 s a call: longer than the follower's
+    check), to its end; when the socket that started it leaves, the follower hears so at once
+    (410 session_ended), not after a stall timeout."""
+    swarm = LocalSwarm(
+        smollm2_path, 2, workdir=tmp_path, gateway_port=free_port(), worker_extra={0: ["--slow-ms", "3000"]}
+    ).start()
+    request = {"type": "generate", "prompt": "The sea is", "max_tokens": 3, "ignore_eos": True}
+
+    async def started(ws) -> str:
+        """Start a generation on ``ws``; its session id, from its first telemetry."""
+        await ws.send_json(request)
+        while (m := await ws.receive_json(timeout=60))["type"] != "telemetry":
+            assert m["type"] != "error", m
+        return m["session_id"]
+
+    async def follow(ws, session_id: str, timeout: float) -> list[dict]:
+        await ws.send_json({"type": "attach", "session_id": session_id})
+        out = []
+        while (m := await ws.receive_json(timeout=timeout))["type"] not in ("done", "error"):
+            out.append(m)
+        return out + [m]
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            url = ws_url(swarm) + "/ws"
+            starter, follower = await session.ws_connect(url), await session.ws_connect(url)
+            sid = await started(starter)
+            t0 = time.monotonic()
+            followed = await follow(follower, sid, timeout=60)
+            whole = time.monotonic() - t0
+            while (await starter.receive_json(timeout=60))["type"] != "done":
+                pass
+            sid = await started(starter)
+            following = asyncio.create_task(follow(follower, sid, timeout=20))
+            await asyncio.sleep(1.0)
+            await starter.close()  # the client that started the session leaves: its generation is closed
+            t1 = time.monotonic()
+            left = await following
+            told = time.monotonic() - t1
+            await follower.close()
+            return followed, whole, left, told
+
+    try:
+        followed, whole, left, told = asyncio.run(scenario())
+    finally:
+        swarm.stop()
+    # followed to the end through spells of 3 s without a message
+    assert followed[-1]["type"] == "done", followed[-1]
+    assert [m["index"] for m in followed if m["type"] == "token"] == [0, 1, 2]
+    assert whole > 6, whole  # at least a prefill call and two decode calls of 3 s each
+    # its client left: the follower is told within a few seconds, with what a client should do
+    end = left[-1]
+    assert end["type"] == "error" and (end["status"], end["reason"]) == (410, "session_ended"), left
+    assert "no longer runs in this gateway" in end["message"]
+    assert told < 10, told
+
+
 # ---------------------------------------------------------------------------------------- a node dies mid-decode
 
 

@@ -19,13 +19,16 @@ from nats.js.errors import NotFoundError
 from neuron_bus import messages as M
 from neuron_bus import session_events
 from neuron_bus import subjects as S
-from neuron_bus.client import STALL_TIMEOUT_S, NeuronClient, RouteError
+from neuron_bus.client import NeuronClient, RouteError
 from neuron_bus.gateway.metrics import GatewayMetrics
 from neuron_bus.gateway.validation import ApiError, GenRequest, Limits
 from workers.errors import Reason
 
 TRACKER_TIMEOUT_S = 3.0
-ATTACH_GRACE_S = 2.0  # after a "done" telemetry, wait this long for the last token to replay
+# A follower that hears nothing for this long asks whether the session's run still goes on in this
+# gateway: then it waits on (the run bounds its own quiet, the stall rule in generation.py, and
+# publishes how it ended); once the run is gone, what the stream holds has been replayed.
+ATTACH_CHECK_S = 2.0
 
 
 @dataclass
@@ -136,6 +139,7 @@ class Bus:
         self.limits = limits
         self.metrics = metrics
         self.chunk_size = chunk_size
+        self.running: set[str] = set()  # sessions whose generation runs in this gateway now (attach follows them)
 
     # ------------------------------------------------------------------ tracker
 
@@ -218,6 +222,7 @@ class Bus:
         """The generation's telemetry and token deltas; raises RouteError when the route fails."""
         self.metrics.active.inc()
         self.metrics.tokens.labels("prompt").inc(len(p.prompt_tokens))
+        session_id = ""
         gen = self.client.generate(
             prompt_tokens=p.prompt_tokens,
             route=p.route,
@@ -230,6 +235,9 @@ class Bus:
         try:
             async with aclosing(gen):
                 async for event in gen:
+                    if not session_id:
+                        session_id = event.session_id
+                        self.running.add(session_id)
                     if isinstance(event, M.TokenDelta):
                         self.metrics.tokens.labels("completion").inc()
                     yield event
@@ -237,6 +245,7 @@ class Bus:
             self.metrics.errors.labels("generation", exc.reason).inc()
             raise
         finally:
+            self.running.discard(session_id)
             self.metrics.active.dec()
 
     async def attach(self, session_id: str) -> AsyncIterator[M.TokenDelta | M.GenerationTelemetry]:
@@ -272,23 +281,27 @@ class Bus:
             for kind, subject in session_events.SUBJECTS
         ]
         last_phase: M.Phase = "queued"
-        timeout = STALL_TIMEOUT_S
         try:
             while True:
                 try:
-                    kind, data = await asyncio.wait_for(events.get(), timeout)
+                    kind, data = await asyncio.wait_for(events.get(), ATTACH_CHECK_S)
                 except TimeoutError:
-                    if timeout == ATTACH_GRACE_S:
+                    if session_id in self.running:
+                        continue  # quiet, but its run goes on: it ends with a token, or publishes its failure
+                    if last_phase == "done":
                         return  # done, and the final token is no longer on the bus
-                    raise RouteError(
-                        Reason.STALLED, f"session {session_id}: no progress for {timeout:.0f}s", phase=last_phase
+                    raise ApiError(
+                        410,
+                        f"session {session_id} ended without finishing: its generation no longer runs in this "
+                        "gateway (the client that started it left, or the gateway restarted)",
+                        param="session_id",
+                        code="session_ended",
                     ) from None
                 event = session_events.read(kind, data, last_phase)
                 if event is None:
                     continue
                 if isinstance(event, M.GenerationTelemetry):
                     last_phase = event.phase
-                    timeout = ATTACH_GRACE_S if event.phase == "done" else timeout
                     yield event
                     continue
                 last_phase = "decode"
