@@ -16,8 +16,8 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
+from neuron_bus import timing
 from neuron_bus.errors import NeuronBusError
-from neuron_bus.timing import PUBLISH_WAIT_S
 from workers.errors import Reason
 
 
@@ -34,18 +34,21 @@ async def publish(
     body: bytes,
     headers: dict[str, str] | None = None,
     *,
-    max_wait: float = PUBLISH_WAIT_S,
+    max_wait: float | None = None,
     on_wait=None,
 ) -> int:
     """Publish and wait for the stream's acknowledgement; retry while the subject is full.
 
-    Returns how many times the publish had to wait. ``on_wait(n)`` is called on each wait.
-    Transient failures of a clustered bus (a server died, a stream leader is being elected, the
-    connection moves to a surviving server) are retried the same way within ``max_wait``.
+    Returns how many times the publish had to wait. ``on_wait(n)`` is called on each wait (it may
+    raise to stop waiting: a hop's output whose session is gone). A full subject is retried for
+    ``max_wait`` or by default `timing.BUSY_WAIT_S`, as its next hop may be busy with older
+    sessions' inputs. Transient failures of a clustered bus (a server died, a stream leader is being
+    elected, the connection moves to a surviving server) are retried for ``max_wait`` or by default
+    `timing.PUBLISH_WAIT_S`.
     """
     waits = 0
     delay = 0.002
-    deadline = time.monotonic() + max_wait
+    started = time.monotonic()
     while True:
         try:
             await js.publish(subject, body, headers=headers)
@@ -61,10 +64,11 @@ async def publish(
             full = isinstance(exc, APIError) and _is_full(exc)  # the server answers a full subject with 503
             if not full and isinstance(exc, APIError) and not isinstance(exc, ServiceUnavailableError):
                 raise
-            if time.monotonic() > deadline:
+            limit = max_wait if max_wait is not None else timing.BUSY_WAIT_S if full else timing.PUBLISH_WAIT_S
+            if time.monotonic() - started > limit:
                 what = f"{subject} stayed full" if full else f"{subject}: no stream answered"
                 raise NeuronBusError(
-                    Reason.BACKPRESSURE_TIMEOUT if full else Reason.BUS_UNREACHABLE, f"{what} for {max_wait:.0f}s"
+                    Reason.BACKPRESSURE_TIMEOUT if full else Reason.BUS_UNREACHABLE, f"{what} for {limit:.0f}s"
                 ) from exc
             waits += 1
             if on_wait:

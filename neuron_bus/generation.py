@@ -33,16 +33,15 @@ from neuron_bus.prefix import block_hashes
 from neuron_bus.repair import repair as repair_route
 from neuron_bus.routes import hop_header
 from neuron_bus.telemetry import GenerationProgress
-from neuron_bus.timing import heartbeat_loss_s
+from neuron_bus.timing import BUSY_WAIT_S, heartbeat_loss_s
 from neuron_bus.trust import sealing
 from workers.errors import Reason
 
 # No token, telemetry or error for STALL_TIMEOUT_S: the route is considered dead, unless a node of
 # it said in its last heartbeat that it has other sessions or queued work (the session waits its
 # turn behind them: a prompt at a busy head hop shows no progress until it is computed); then for
-# at most BUSY_STALL_TIMEOUT_S.
+# at most timing.BUSY_WAIT_S.
 STALL_TIMEOUT_S = 60.0
-BUSY_STALL_TIMEOUT_S = 600.0
 CATCH_UP_S = 1.0  # this long without an event, the session's stored tokens are read for missed ones
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
 MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
@@ -377,8 +376,8 @@ class GenerationRun:
                 kind, data = await asyncio.wait_for(self.queue.get(), CATCH_UP_S)
             except TimeoutError:
                 quiet += CATCH_UP_S
-                if quiet >= STALL_TIMEOUT_S and (quiet >= BUSY_STALL_TIMEOUT_S or not self._route_busy()):
-                    busy = " (its nodes busy with other sessions all along)" if quiet >= BUSY_STALL_TIMEOUT_S else ""
+                if quiet >= STALL_TIMEOUT_S and (quiet >= BUSY_WAIT_S or not self._route_busy()):
+                    busy = " (its nodes busy with other sessions all along)" if quiet >= BUSY_WAIT_S else ""
                     raise RouteError(
                         Reason.STALLED,
                         f"no progress from route {self.live_route.route_id} for {quiet:.0f}s{busy}",

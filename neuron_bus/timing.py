@@ -28,8 +28,13 @@ NODE_EXPIRY_S = 5 * HEARTBEAT_INTERVAL_S
 AVOID_LOST_S = NODE_EXPIRY_S + 3.0
 ACK_WAIT_S = 10.0
 KEEP_ALIVE_S = ACK_WAIT_S / 4  # an input held longer than this is reported in progress, every this long
-PUBLISH_WAIT_S = 120.0  # a publish into a full next hop, or with no stream answering, is retried this long (flow.py)
-MAX_HOLD_S = PUBLISH_WAIT_S + 60.0  # held longer, an input is left to redelivery
+# A busy hop takes its sessions' inputs oldest first, so a session may wait its turn behind every
+# other session's prompt there, with nothing to show for it: for at most BUSY_WAIT_S, both as a
+# client watching its quiet route (generation.py's stall rule) and as a publish into a full next
+# hop (flow.py; the publisher stops waiting as soon as the session ends).
+BUSY_WAIT_S = 600.0
+PUBLISH_WAIT_S = 120.0  # a publish that no stream answers is retried this long (flow.py)
+MAX_HOLD_S = BUSY_WAIT_S + 60.0  # held longer, an input is left to redelivery
 
 
 def heartbeat_loss_s(rtt_s: float | None = None) -> float:
