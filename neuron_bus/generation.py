@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
+import msgspec
 import numpy as np
 
 from neuron_bus import codec, session_events
@@ -42,6 +43,9 @@ from workers.errors import Reason
 # turn behind them: a prompt at a busy head hop shows no progress until it is computed); then for
 # at most timing.BUSY_WAIT_S.
 STALL_TIMEOUT_S = 60.0
+# This long without progress, while a route node reports other work, the client republishes the
+# session's last telemetry naming those nodes (``waiting_at``): the page says it waits its turn.
+WAIT_NOTICE_S = 2.0
 CATCH_UP_S = 1.0  # this long without an event, the session's stored tokens are read for missed ones
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
 MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
@@ -367,6 +371,8 @@ class GenerationRun:
     async def _route_events(self):
         last_phase = "prefill"
         quiet = 0.0
+        last: M.GenerationTelemetry | None = None  # the session's last telemetry (the route's or this client's)
+        waiting: list[str] = []  # the busy nodes the last waiting notice named
         while True:
             if self.sender.done() and self.sender.exception():
                 raise RouteError(
@@ -376,17 +382,21 @@ class GenerationRun:
                 kind, data = await asyncio.wait_for(self.queue.get(), CATCH_UP_S)
             except TimeoutError:
                 quiet += CATCH_UP_S
-                if quiet >= STALL_TIMEOUT_S and (quiet >= BUSY_WAIT_S or not self._route_busy()):
-                    busy = " (its nodes busy with other sessions all along)" if quiet >= BUSY_WAIT_S else ""
+                busy = self._busy_nodes() if quiet >= WAIT_NOTICE_S else []
+                if quiet >= STALL_TIMEOUT_S and (quiet >= BUSY_WAIT_S or not busy):
+                    why = " (its nodes busy with other sessions all along)" if quiet >= BUSY_WAIT_S else ""
                     raise RouteError(
                         Reason.STALLED,
-                        f"no progress from route {self.live_route.route_id} for {quiet:.0f}s{busy}",
+                        f"no progress from route {self.live_route.route_id} for {quiet:.0f}s{why}",
                         phase=last_phase,
                     ) from None
+                if busy and busy != waiting:
+                    waiting = busy
+                    await self._publish_waiting(last, busy)  # comes back through the subscription
                 await self._catch_up()  # a quiet route, or a subscription that missed messages
                 continue
-            quiet = 0.0
             if kind == "catch_up":
+                quiet = 0.0
                 await self._catch_up()
                 continue
             if kind == "lost":
@@ -397,20 +407,34 @@ class GenerationRun:
             event = session_events.read(kind, data, last_phase)
             if event is None or (isinstance(event, M.TokenDelta) and not self._next_token(event)):
                 continue  # a rejected stray message, a token already delivered, or not this session's
+            if isinstance(event, M.GenerationTelemetry):
+                last = event
+                if event.waiting_at:  # this client's own notice: no progress of the route
+                    yield event
+                    continue
+            quiet, waiting = 0.0, []
             last_phase = event.phase if isinstance(event, M.GenerationTelemetry) else "decode"
             yield event
 
-    def _route_busy(self) -> bool:
-        """Did a node of the route say in its last heartbeat that it has other sessions than this
-        one or queued work? Then a quiet session is waiting its turn, not lost."""
-        for data in self.last_beats.values():
+    def _busy_nodes(self) -> list[str]:
+        """The route's nodes that said in their last heartbeat that they have other sessions than
+        this one or queued work: a quiet session is waiting its turn there, not lost."""
+        busy = []
+        for node, data in self.last_beats.items():
             try:
                 beat = M.decode(data, M.NodeHeartbeat)
             except MalformedMessage:
                 continue
             if beat.sessions_active > 1 or beat.queue_depth > 0:
-                return True
-        return False
+                busy.append(node)
+        return sorted(busy)
+
+    async def _publish_waiting(self, last: M.GenerationTelemetry | None, busy: list[str]) -> None:
+        """Say on the session's telemetry that it waits its turn at ``busy`` (its last telemetry, so a
+        reader keeps the progress it had)."""
+        base = last if last is not None else self.progress.snapshot()
+        notice = msgspec.structs.replace(base, waiting_at=busy, ts=time.time())
+        await self.client.js.publish(self.progress.subject, M.encode(notice))
 
     def _next_token(self, event: M.TokenDelta) -> bool:
         """Is ``event`` a token still to deliver? One already delivered (a repaired route, or read

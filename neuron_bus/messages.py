@@ -573,6 +573,10 @@ class GenerationTelemetry(Struct):
     draft_tokens: int = 0  # speculative sessions: draft tokens sent around the ring so far
     accepted_draft_tokens: int = 0  # of which the tail's own choice agreed with (each one a token)
     prefill_tokens_reused: int = 0  # prompt positions every hop attached from its prefix cache (not computed)
+    # route nodes that reported other sessions or queued work while this session showed no progress
+    # for a few seconds (generation.py: WAIT_NOTICE_S): it waits its turn there. Published by the
+    # client, on the session's last telemetry; the next progress has it empty again.
+    waiting_at: list[str] = []
     ts: float = 0.0
 
 

@@ -120,7 +120,8 @@ def test_a_prompt_waiting_its_turn_behind_other_sessions_is_not_failed_as_stalle
     """A head hop computes prompt chunks oldest first, so a session whose prompt waits behind the
     others' shows no progress for as long as they take (here several seconds: four chunks of 260
     positions, one per call, on a head slowed by 500 ms a call). The client's stall timeout, cut to
-    3 s, fails a quiet route only while its nodes' heartbeats show nothing else to do."""
+    3 s, fails a quiet route only while its nodes' heartbeats show nothing else to do; past
+    WAIT_NOTICE_S the session's telemetry names the busy nodes it waits at."""
     from neuron_bus import generation
     from workers.tokenizer import Tokenizer
 
@@ -130,17 +131,20 @@ def test_a_prompt_waiting_its_turn_behind_other_sessions_is_not_failed_as_stalle
     sampling = M.SamplingParams(max_tokens=2, ignore_eos=True)
     swarm = LocalSwarm(smollm2_path, 2, workdir=tmp_path, worker_extra={0: ["--slow-ms", "500"]})
 
-    async def one(c: NeuronClient, route, ids: list[int]) -> tuple[list[int], float]:
-        """The session's tokens, and the longest it went without any event."""
-        tokens, last, quiet = [], time.monotonic(), 0.0
+    async def one(c: NeuronClient, route, ids: list[int]) -> tuple[list[int], float, list[list[str]]]:
+        """The session's tokens, the longest it went without progress, and the waiting notices it got."""
+        tokens, last, quiet, notices = [], time.monotonic(), 0.0, []
         async for ev in c.generate(
             prompt_tokens=ids, route=route, sampling=sampling, chunk_size=260, prefill_retries=0
         ):
+            if isinstance(ev, M.GenerationTelemetry) and ev.waiting_at:
+                notices.append(ev.waiting_at)
+                continue
             now = time.monotonic()
             quiet, last = max(quiet, now - last), now
             if isinstance(ev, M.TokenDelta):
                 tokens.append(ev.token_id)
-        return tokens, quiet
+        return tokens, quiet, notices
 
     async def scenario():
         async with await NeuronClient.connect(swarm.url) as c:
@@ -149,5 +153,9 @@ def test_a_prompt_waiting_its_turn_behind_other_sessions_is_not_failed_as_stalle
 
     with swarm:
         done = asyncio.run(scenario())
-    assert [len(tokens) for tokens, _ in done] == [2, 2, 2, 2]
-    assert max(quiet for _, quiet in done) > generation.STALL_TIMEOUT_S  # a prompt did wait longer than that
+    assert [len(tokens) for tokens, _, _ in done] == [2, 2, 2, 2]
+    assert max(quiet for _, quiet, _ in done) > generation.STALL_TIMEOUT_S  # a prompt did wait longer than that
+    # and was told where it waits (the page shows it): at the head, busy with the others' prompts
+    tokens, quiet, notices = max(done, key=lambda d: d[1])
+    assert notices and all(n == ["worker-0"] or n == ["worker-0", "worker-1"] for n in notices), notices
+    assert not any(notices for _, quiet, notices in done if quiet < generation.WAIT_NOTICE_S)
