@@ -37,12 +37,13 @@ class GenerationBar:
         self.task = self.progress.add_task("prefill", total=prompt_tokens, rate="")
 
     def telemetry(self, ev: M.GenerationTelemetry) -> None:
+        waiting = f" (waiting its turn at {', '.join(ev.waiting_at)})" if ev.waiting_at else ""
         if ev.phase == "prefill":
-            self.progress.update(self.task, completed=ev.prefill_tokens_done, description="prefill")
+            self.progress.update(self.task, completed=ev.prefill_tokens_done, description="prefill" + waiting)
         elif ev.phase == "decode":
             rate = f"{ev.rolling_tokens_per_second:.1f} tok/s"
             self.progress.update(self.task, completed=ev.generated_tokens, total=self.max_tokens, rate=rate)
-            self.progress.update(self.task, description="decode")
+            self.progress.update(self.task, description="decode" + waiting)
 
     def token(self, generated: int) -> None:
         self.progress.update(self.task, completed=generated, total=self.max_tokens, description="decode")
