@@ -434,7 +434,10 @@ class GenerationRun:
         reader keeps the progress it had)."""
         base = last if last is not None else self.progress.snapshot()
         notice = msgspec.structs.replace(base, waiting_at=busy, ts=time.time())
-        await self.client.js.publish(self.progress.subject, M.encode(notice))
+        try:
+            await self.client.js.publish(self.progress.subject, M.encode(notice))
+        except Exception:  # a word to the reader, not the session's work: the stall rule judges the bus
+            pass
 
     def _next_token(self, event: M.TokenDelta) -> bool:
         """Is ``event`` a token still to deliver? One already delivered (a repaired route, or read
