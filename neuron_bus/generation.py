@@ -46,6 +46,9 @@ STALL_TIMEOUT_S = 60.0
 # This long without progress, while a route node reports other work, the client republishes the
 # session's last telemetry naming those nodes (``waiting_at``): the page says it waits its turn.
 WAIT_NOTICE_S = 2.0
+# As long as it waits so, every this long, it tells its route's hops that it still wants the session:
+# a hop frees a session nothing reached for its idle timeout (300 s by default).
+KEEP_ALIVE_EVERY_S = 60.0
 CATCH_UP_S = 1.0  # this long without an event, the session's stored tokens are read for missed ones
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
 MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
@@ -373,6 +376,7 @@ class GenerationRun:
         quiet = 0.0
         last: M.GenerationTelemetry | None = None  # the session's last telemetry (the route's or this client's)
         waiting: list[str] = []  # the busy nodes the last waiting notice named
+        keep_alive_at = KEEP_ALIVE_EVERY_S  # quiet this long while waiting: the hops are told it is wanted
         while True:
             if self.sender.done() and self.sender.exception():
                 raise RouteError(
@@ -393,6 +397,9 @@ class GenerationRun:
                 if busy and busy != waiting:
                     waiting = busy
                     await self._publish_waiting(last, busy)  # comes back through the subscription
+                if busy and quiet >= keep_alive_at:
+                    keep_alive_at = quiet + KEEP_ALIVE_EVERY_S
+                    await self._keep_alive()
                 await self._catch_up()  # a quiet route, or a subscription that missed messages
                 continue
             if kind == "catch_up":
@@ -412,7 +419,7 @@ class GenerationRun:
                 if event.waiting_at:  # this client's own notice: no progress of the route
                     yield event
                     continue
-            quiet, waiting = 0.0, []
+            quiet, waiting, keep_alive_at = 0.0, [], KEEP_ALIVE_EVERY_S
             last_phase = event.phase if isinstance(event, M.GenerationTelemetry) else "decode"
             yield event
 
@@ -438,6 +445,18 @@ class GenerationRun:
             await self.client.js.publish(self.progress.subject, M.encode(notice))
         except Exception:  # a word to the reader, not the session's work: the stall rule judges the bus
             pass
+
+    async def _keep_alive(self) -> None:
+        """Tell every hop of the route that this session, waiting its turn, is still wanted (a hop
+        that computed nothing of it for its idle timeout would free it)."""
+        route = self.live_route
+        for i, hop in enumerate(route.hops):
+            req = M.SessionKeepAlive(session_id=self.session_id, route_id=route.route_id)
+            req.proof = sealing.prove(self.key(i), sealing.keep_alive_parts(req))
+            try:
+                await self.client.tell(hop.node_id, req)
+            except Exception:  # the bus did not take it: the stall rule judges the bus
+                pass
 
     def _next_token(self, event: M.TokenDelta) -> bool:
         """Is ``event`` a token still to deliver? One already delivered (a repaired route, or read
@@ -532,7 +551,7 @@ class GenerationRun:
         def close(node: str) -> M.SessionClose:  # proven with the hop's input key: only this client can close it
             key = self.key(index[node]) if node in index else ""
             req = M.SessionClose(session_id=self.session_id, route_id=route.route_id, keep_blocks=keep)
-            req.proof = sealing.LinkKey.parse(key).proof(*sealing.close_parts(req)) if key else ""
+            req.proof = sealing.prove(key, sealing.close_parts(req))
             return req
 
         silent = [n for n in self.opened if n in self.lost]  # may never answer: told, not waited for

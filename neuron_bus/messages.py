@@ -375,6 +375,21 @@ class SessionClosed(Struct, tag_field="type", tag="closed"):
     freed_bytes: int
 
 
+class SessionKeepAlive(Struct, tag_field="op", tag="keep_alive"):
+    """The session's client still wants it, though nothing of it reached this hop for a while: it
+    waits its turn behind other sessions' work on its route. The hop counts it idle (and frees it
+    past ``neuron-bus worker --idle-timeout``) from now on."""
+
+    session_id: str
+    route_id: str
+    proof: str = ""  # MAC of sealing.keep_alive_parts with the hop's input key: only the session's client may
+
+
+class SessionKeptAlive(Struct, tag_field="type", tag="kept_alive"):
+    session_id: str
+    node_id: str
+
+
 class SessionResume(Struct, tag_field="op", tag="resume"):
     """Route repair: move a session onto ``open.route`` (a new route id) at ``position``.
 
@@ -508,9 +523,19 @@ class MoveAccepted(Struct, tag_field="type", tag="moving"):
     sessions_draining: int = 0
 
 
-ControlRequest = SessionOpen | SessionClose | SessionsQuery | Ping | TokenizeRequest | SessionResume | MoveRange
+ControlRequest = (
+    SessionOpen | SessionClose | SessionKeepAlive | SessionsQuery | Ping | TokenizeRequest | SessionResume | MoveRange
+)
 ControlReply = (
-    SessionOpened | SessionClosed | SessionsReport | Pong | TokenizeReply | ControlError | SessionResumed | MoveAccepted
+    SessionOpened
+    | SessionClosed
+    | SessionKeptAlive
+    | SessionsReport
+    | Pong
+    | TokenizeReply
+    | ControlError
+    | SessionResumed
+    | MoveAccepted
 )
 RouteReply = RouteAssignment | RouteRejection
 
@@ -929,6 +954,8 @@ ALL_MESSAGES: tuple[type[msgspec.Struct], ...] = (
     SessionOpened,
     SessionClose,
     SessionClosed,
+    SessionKeepAlive,
+    SessionKeptAlive,
     SessionsQuery,
     SessionsReport,
     SessionResume,

@@ -144,8 +144,8 @@ async def repair(
         req = M.SessionResume(
             open=opened, position=position, replay_end=replay_end, generated=generated, restore=restore
         )
-        if opened.input_key and not restore:
-            req.proof = sealing.LinkKey.parse(opened.input_key).proof(*sealing.resume_parts(req))
+        if not restore:  # a replacement holds no session of it yet
+            req.proof = sealing.prove(opened.input_key, sealing.resume_parts(req))
         return req
 
     try:

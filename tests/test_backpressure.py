@@ -121,15 +121,20 @@ def test_a_prompt_waiting_its_turn_behind_other_sessions_is_not_failed_as_stalle
     others' shows no progress for as long as they take (here several seconds: four chunks of 260
     positions, one per call, on a head slowed by 500 ms a call). The client's stall timeout, cut to
     3 s, fails a quiet route only while its nodes' heartbeats show nothing else to do; past
-    WAIT_NOTICE_S the session's telemetry names the busy nodes it waits at."""
+    WAIT_NOTICE_S the session's telemetry names the busy nodes it waits at; and the client keeps
+    telling the hops that the waiting session is wanted, so they do not free it as idle (their idle
+    timeout cut to 3 s)."""
     from neuron_bus import generation
     from workers.tokenizer import Tokenizer
 
     monkeypatch.setattr(generation, "STALL_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(generation, "WAIT_NOTICE_S", 1.0)
+    monkeypatch.setattr(generation, "KEEP_ALIVE_EVERY_S", 1.0)
     ids = prompt(Tokenizer(smollm2_path), 264 + 4)
     prompts = [ids[k : k + 264] for k in range(4)]  # a chunk of 260 each: no two fit one prefill call (512)
     sampling = M.SamplingParams(max_tokens=2, ignore_eos=True)
-    swarm = LocalSwarm(smollm2_path, 2, workdir=tmp_path, worker_extra={0: ["--slow-ms", "500"]})
+    idle = ["--idle-timeout", "3"]
+    swarm = LocalSwarm(smollm2_path, 2, workdir=tmp_path, worker_extra={0: ["--slow-ms", "500", *idle], 1: idle})
 
     async def one(c: NeuronClient, route, ids: list[int]) -> tuple[list[int], float, list[list[str]]]:
         """The session's tokens, the longest it went without progress, and the waiting notices it got."""

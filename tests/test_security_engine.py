@@ -4,6 +4,8 @@ and sealed snapshots. The same two-hop tiny llama route as test_engine.py."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import numpy as np
 import pytest
@@ -157,6 +159,28 @@ def test_keys_are_required_and_only_the_opener_may_reopen_close_or_move_a_sessio
     assert err.value.reason == "not_owner"
     resume.proof = sealing.LinkKey.parse(keys[0]).proof(*sealing.resume_parts(resume))
     assert e.check_resume(resume) is e.sessions.get("a")
+
+
+def test_only_the_opener_may_keep_a_waiting_session_from_being_freed_as_idle(keyed):
+    """A session waiting its turn upstream computes nothing here for a while: its client says it is
+    still wanted, and nobody else can (a session id is public on its telemetry subject)."""
+    e = keyed.engines[0]
+    keys = keyed.open("a")
+    s = e.sessions.get("a")
+    s.last_used = time.monotonic() - 1000.0
+    for forged in ("", sealing.LinkKey.parse(keys[1]).proof("keep_alive", "a", "r1")):
+        with pytest.raises(NeuronBusError) as err:
+            e.keep_alive(M.SessionKeepAlive(session_id="a", route_id="r1", proof=forged))
+        assert err.value.reason == "not_owner"
+    assert time.monotonic() - s.last_used > 999.0  # still idle
+    for session_id, route_id in (("b", "r1"), ("a", "r2")):  # not a session of this hop, or not on that route
+        with pytest.raises(NeuronBusError) as err:
+            e.keep_alive(M.SessionKeepAlive(session_id=session_id, route_id=route_id))
+        assert err.value.reason == "unknown_session"
+    req = M.SessionKeepAlive(session_id="a", route_id="r1")
+    req.proof = sealing.prove(keys[0], sealing.keep_alive_parts(req))
+    e.keep_alive(req)
+    assert time.monotonic() - s.last_used < 1.0
 
 
 def test_snapshots_are_sealed_under_the_hops_key():

@@ -153,6 +153,12 @@ def close_parts(req: M.SessionClose) -> tuple:
     return ("close", req.session_id) + ((",".join(req.keep_blocks),) if req.keep_blocks else ())
 
 
+def keep_alive_parts(req: M.SessionKeepAlive) -> tuple:
+    """What a keep-alive's proof covers: the session and its route (nobody else may hold a session
+    its client left, taking a hop's memory)."""
+    return ("keep_alive", req.session_id, req.route_id)
+
+
 def resume_parts(req: M.SessionResume) -> tuple:
     """What a resume's proof covers: the session, the route it moves to and where."""
     o = req.open
@@ -161,6 +167,18 @@ def resume_parts(req: M.SessionResume) -> tuple:
 
 def check_proof(key: str, proof: str, *parts: object) -> bool:
     return bool(proof) and hmac.compare_digest(proof, LinkKey.parse(key).proof(*parts))
+
+
+def prove(key: str, parts: tuple) -> str:
+    """A client's proof of a request about its session (close, keep-alive, resume) with the hop's
+    input key; none for a session opened without keys."""
+    return LinkKey.parse(key).proof(*parts) if key else ""
+
+
+def proven(key: str, proof: str, parts: tuple) -> bool:
+    """Does ``proof`` show the request comes from the session's client? A session opened without
+    keys takes anyone's word, as it takes anyone's activations."""
+    return not key or check_proof(key, proof, *parts)
 
 
 # ---------------------------------------------------------------------------------------------- snapshots

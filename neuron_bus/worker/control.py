@@ -2,7 +2,8 @@
 
 Ping (latency probes), SessionsQuery (`neuron-bus sessions`), TokenizeRequest (the head tokenizes
 prompts and applies the chat template, or checks a prompt's token ids against its vocabulary), SessionOpen / SessionResume / SessionClose
-(lifecycle.py; closing and moving a session need its client's proof, engine.py), MoveRange (the
+(lifecycle.py; closing and moving a session need its client's proof, engine.py), SessionKeepAlive
+(a client whose session waits its turn upstream: not idle; proven too), MoveRange (the
 tracker moves a self-placed node: mover.py).
 Every failure is an explicit `ControlError` reply naming its reason, never silence.
 
@@ -32,7 +33,7 @@ CONCURRENT = 64  # control requests handled at once
 
 def session_of(req) -> object:
     """The key that orders a request: its session, or none (a key of its own)."""
-    if isinstance(req, (M.SessionOpen, M.SessionClose)):
+    if isinstance(req, (M.SessionOpen, M.SessionClose, M.SessionKeepAlive)):
         return req.session_id
     if isinstance(req, M.SessionResume):
         return req.open.session_id
@@ -114,6 +115,9 @@ class ControlPlane:
             raise NeuronBusError(
                 Reason.NOT_PERMITTED, f"{self.node_id}: MoveRange is taken on {S.node_move(self.node_id)} only"
             )
+        if isinstance(req, M.SessionKeepAlive):
+            self.lifecycle.engine.keep_alive(req)
+            return M.SessionKeptAlive(session_id=req.session_id, node_id=self.node_id)
         if isinstance(req, M.SessionClose):
             self.lifecycle.engine.check_close(req)
             freed = await self.lifecycle.close(req.session_id, keep=req.keep_blocks)

@@ -449,12 +449,19 @@ class HopEngine:
     def check_close(self, req: M.SessionClose) -> None:
         """Only the client that opened a session (it holds the hop's input key) may close it."""
         s = self.sessions.get(req.session_id)
-        if (
-            s is not None
-            and s.open.input_key
-            and not sealing.check_proof(s.open.input_key, req.proof, *sealing.close_parts(req))
-        ):
+        if s is not None and not sealing.proven(s.open.input_key, req.proof, sealing.close_parts(req)):
             raise NeuronBusError(Reason.NOT_OWNER, f"closing session {req.session_id} needs its client's proof")
+
+    def keep_alive(self, req: M.SessionKeepAlive) -> None:
+        """The session's client still wants it: not idle from now (only that client may say so)."""
+        s = self.sessions.get(req.session_id)
+        if s is None or s.route.route_id != req.route_id:
+            raise NeuronBusError(
+                Reason.UNKNOWN_SESSION, f"{self.node_id} holds no session {req.session_id} on route {req.route_id}"
+            )
+        if not sealing.proven(s.open.input_key, req.proof, sealing.keep_alive_parts(req)):
+            raise NeuronBusError(Reason.NOT_OWNER, f"keeping session {req.session_id} needs its client's proof")
+        s.last_used = time.monotonic()
 
     def check_resume(self, req: M.SessionResume) -> HopSession | None:
         """The session a resume replaces here (None: a new replacement node), after checking ``req``."""
@@ -465,11 +472,7 @@ class HopEngine:
                 f"resume at {req.position} with replay up to {req.replay_end} does not fit n_ctx {o.n_ctx}"
             )
         old = self.sessions.get(o.session_id)
-        if (
-            old is not None
-            and old.open.input_key
-            and not sealing.check_proof(old.open.input_key, req.proof, *sealing.resume_parts(req))
-        ):
+        if old is not None and not sealing.proven(old.open.input_key, req.proof, sealing.resume_parts(req)):
             raise NeuronBusError(Reason.NOT_OWNER, f"moving session {o.session_id} needs its client's proof")
         if req.restore and old is not None:
             raise ValueError(f"session {o.session_id} is already open here; only a replacement restores")
