@@ -33,6 +33,7 @@ from neuron_bus.ping import ping
 from neuron_bus.prefix import block_hashes
 from neuron_bus.repair import repair as repair_route
 from neuron_bus.routes import hop_header
+from neuron_bus.tasks import cancel_and_wait
 from neuron_bus.telemetry import GenerationProgress
 from neuron_bus.timing import BUSY_WAIT_S, heartbeat_loss_s
 from neuron_bus.trust import sealing
@@ -323,8 +324,7 @@ class GenerationRun:
 
     async def _follow_route(self) -> None:
         """Point telemetry and the liveness watch at the current route."""
-        if self.watcher:
-            self.watcher.cancel()
+        await cancel_and_wait(self.watcher)
         await self._unsubscribe(self.heartbeat_subs)
         self.progress.route_id = self.live_route.route_id
         self.progress.nodes = [h.node_id for h in self.live_route.hops]
@@ -497,7 +497,7 @@ class GenerationRun:
             self.retries += 1
             if exc.node_id:
                 self.lost.add(exc.node_id)
-            self._cancel_tasks()
+            await cancel_and_wait(self.sender, self.watcher)
             await self._close_sessions()
             while not self.queue.empty():
                 self.queue.get_nowait()
@@ -534,11 +534,6 @@ class GenerationRun:
         self.progress.fail(f"{exc.reason} in phase {exc.phase}{where}: {exc}", exc.phase, exc.node_id)
         await self._publish_progress()
 
-    def _cancel_tasks(self) -> None:
-        for task in (self.sender, self.watcher):
-            if task:
-                task.cancel()
-
     async def _close_sessions(self) -> None:
         """Free the session on every hop that holds it, all at once; a node that is gone took its cache with it."""
         if not self.opened:
@@ -565,7 +560,7 @@ class GenerationRun:
 
     async def _close(self) -> None:
         """Free the session on every hop first (what matters), then drop the subscriptions."""
-        self._cancel_tasks()
+        await cancel_and_wait(self.sender, self.watcher)
         await self._close_sessions()
         await self._unsubscribe(self.subs)
         await self._unsubscribe(self.heartbeat_subs)

@@ -19,6 +19,7 @@ import nats.js.errors as jserr
 
 from neuron_bus import messages as M
 from neuron_bus.errors import MalformedMessage
+from neuron_bus.tasks import cancel_and_wait
 
 log = logging.getLogger("neuron_bus.kv")
 
@@ -45,9 +46,7 @@ class KVMirror:
             log.warning("KV %s: not read within %.0fs; going on without it for now", self.bucket, wait)
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         while True:

@@ -37,6 +37,7 @@ from nats.js.kv import KeyValue
 from neuron_bus import messages
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.messages import LeaseRecord
+from neuron_bus.tasks import cancel_and_wait
 from workers.errors import Reason
 
 log = logging.getLogger("neuron_bus.lease")
@@ -147,10 +148,8 @@ class Lease:
     async def stop(self) -> None:
         """Stop renewing and release the lease if we hold it."""
         async with self._busy:  # not in the middle of a renewal: our token is the key's revision
-            if self._task:
-                self._task.cancel()
-                await asyncio.gather(self._task, return_exceptions=True)
-                self._task = None
+            await cancel_and_wait(self._task)
+            self._task = None
             await self._release()
 
     async def _release(self) -> None:

@@ -3,13 +3,37 @@
 asyncio holds only weak references to running tasks: a task started and not stored can be
 garbage-collected mid-flight. `Background` keeps them (and cancels them on shutdown). `InOrder`
 runs them one after another per key (a session's outputs, a session's control requests) and
-concurrently across keys.
+concurrently across keys. `cancel_and_wait` cancels tasks and waits until they have really ended.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine, Hashable
+
+CANCEL_REPEAT_S = 1.0  # a task still running this long after its cancellation is cancelled again
+
+
+async def cancel_and_wait(*tasks: asyncio.Task | None, repeat_s: float = CANCEL_REPEAT_S) -> None:
+    """Cancel the tasks and wait until each has ended (``None`` and finished tasks are skipped).
+
+    One cancellation is not always enough. Python 3.11's ``asyncio.wait_for``, which nats-py's
+    requests and JetStream publishes use, returns a result that arrives together with the
+    cancellation and drops the cancellation (CPython gh-86296), and the task goes on: a loop of
+    requests then never ends, and whoever awaits it waits forever. So a task still running
+    ``repeat_s`` after its cancellation is cancelled again, until it ends. A task's own clean-up
+    after a cancellation must take less than ``repeat_s``, or the next cancellation cuts it short.
+    """
+    pending = {t for t in tasks if t is not None and not t.done()}
+    ended = [t for t in tasks if t is not None and t.done()]
+    while pending:
+        for task in pending:
+            task.cancel()
+        done, pending = await asyncio.wait(pending, timeout=repeat_s)
+        ended.extend(done)
+    for task in ended:  # retrieved, so that asyncio does not log them as never retrieved
+        if not task.cancelled():
+            task.exception()
 
 
 class Background:
@@ -26,10 +50,7 @@ class Background:
         return len(self._tasks)
 
     async def cancel_all(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
 
 
 class InOrder:

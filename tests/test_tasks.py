@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from neuron_bus.tasks import InOrder
+from neuron_bus.tasks import CANCEL_REPEAT_S, Background, InOrder, cancel_and_wait
 
 
 def test_one_key_runs_in_order_and_keys_run_concurrently():
@@ -58,5 +58,46 @@ def test_a_task_cancelled_before_its_turn_never_starts():
         await order.cancel_all()
         assert started == ["first"]
         assert second.cancelled()
+
+    asyncio.run(scenario())
+
+
+def test_stop_ends_a_task_that_dropped_its_cancellation():
+    """On Python 3.11 a request loop drops a cancellation that arrives with an answer (wait_for's
+    gh-86296): one cancel and a wait hangs; `cancel_and_wait` cancels again until the task has ended."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        answers: list[asyncio.Future] = []
+        rounds = 0
+
+        async def request_loop() -> None:  # as a loop of nats-py requests
+            nonlocal rounds
+            while True:
+                answer = loop.create_future()
+                answers.append(answer)
+                await asyncio.wait_for(answer, 30)
+                rounds += 1
+
+        async def deaf_once() -> None:  # a task that dropped one cancellation, on any Python
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                pass
+            await asyncio.sleep(30)
+
+        async def failing() -> None:
+            raise ValueError("ended badly")
+
+        background = Background()
+        looping = background.spawn(request_loop())
+        deaf = background.spawn(deaf_once())
+        failed = background.spawn(failing())
+        await asyncio.sleep(0.01)
+        answers[-1].set_result("answer")  # the answer arrives together with the cancellation below
+        await asyncio.wait_for(background.cancel_all(), 10 * CANCEL_REPEAT_S)
+        assert looping.done() and deaf.cancelled() and failed.done()
+        assert len(background) == 0
+        await cancel_and_wait(None, looping, deaf)  # finished tasks and None: nothing to do
 
     asyncio.run(scenario())

@@ -37,6 +37,7 @@ from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage
 from neuron_bus.gctune import freeze_old_objects
 from neuron_bus.sim import swarm
+from neuron_bus.tasks import cancel_and_wait
 from neuron_bus.timing import HEARTBEAT_SOON_S
 from neuron_bus.topology import connect
 from workers.errors import Reason
@@ -269,10 +270,10 @@ async def run(args) -> None:
     nodes = swarm.generate(spec)
     nc = await connect(args.nats, name="swarm-sim-pool", max_reconnect_attempts=-1)
     pool = Pool(nc, nodes, args.t0, args.interval)
-    stop = asyncio.Event()
+    told_to_stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, told_to_stop.set)
     await pool.start()
     try:
         await pool.announce([n for n in nodes if n.join_at == 0])
@@ -285,12 +286,10 @@ async def run(args) -> None:
     tasks = [asyncio.create_task(pool.beat_loop()), asyncio.create_task(pool.churn_loop())]
     emit(ready=len(pool.live))
     try:
-        await asyncio.wait_for(stop.wait(), args.max_seconds)
+        await asyncio.wait_for(told_to_stop.wait(), args.max_seconds)
     except TimeoutError:
         pass
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await cancel_and_wait(*tasks)
     emit(stats=pool.stats)
     await nc.close()
 

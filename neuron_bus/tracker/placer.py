@@ -38,6 +38,7 @@ from neuron_bus.artifacts.catalog import Catalog
 from neuron_bus.artifacts.footprint import footprint
 from neuron_bus.errors import MalformedMessage
 from neuron_bus.lease import Lease
+from neuron_bus.tasks import cancel_and_wait
 from neuron_bus.tracker.placement import (
     UNMEASURED_SECONDS_PER_LAYER,
     Fit,
@@ -131,9 +132,7 @@ class Placer:
         self._task = asyncio.create_task(self._loop(), name="placement")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
         if self._sub is not None:
             await self._sub.unsubscribe()
 

@@ -28,6 +28,7 @@ from neuron_bus import subjects as S
 from neuron_bus.errors import NeuronBusError
 from neuron_bus.execution import Backend
 from neuron_bus.flow import publish
+from neuron_bus.tasks import cancel_and_wait
 from neuron_bus.trust.attribution import DEFAULT_THRESHOLD, Attribution
 from neuron_bus.trust.events import route_assignment, routes_bucket, stored, unassigned, validation_event
 from neuron_bus.trust.replay import make_verdict, reference_backend, replay_single
@@ -65,9 +66,7 @@ class Auditor:
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
         if self.sub is not None:  # as the meter's (metering.py): a fetched-from subscription would stall drain
             try:
                 await self.sub.unsubscribe()

@@ -26,6 +26,7 @@ from neuron_bus import subjects as S
 from neuron_bus.errors import MalformedMessage, NeuronBusError
 from neuron_bus.flow import publish
 from neuron_bus.kvmirror import KVMirror
+from neuron_bus.tasks import cancel_and_wait
 
 log = logging.getLogger("neuron_bus.tracker.audit")
 
@@ -58,9 +59,7 @@ class TrackerTrust:
         self._task = asyncio.create_task(self._flag_loop())
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
         await self._flags.stop()
         if self._sub is not None:
             try:

@@ -25,6 +25,7 @@ from neuron_bus import codec
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.prefix import PrefixCache
+from neuron_bus.tasks import cancel_and_wait
 from neuron_bus.timing import HEARTBEAT_INTERVAL_S
 from neuron_bus.topology import DEFAULT_PREFILL_WINDOW, identity_of
 from neuron_bus.worker.audit_trail import AuditTrail
@@ -169,9 +170,7 @@ class WorkerService:
         await self.heartbeat.send(self.queue_depth)
 
     async def stop(self) -> None:
-        for t in self._loops:
-            t.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        await cancel_and_wait(*self._loops)
         for sub in (self._control_sub, self._move_sub):
             if sub is not None:
                 await sub.unsubscribe()

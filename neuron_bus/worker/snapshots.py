@@ -31,7 +31,7 @@ from nats.js.object_store import ObjectStore
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.errors import NeuronBusError
-from neuron_bus.tasks import Background
+from neuron_bus.tasks import Background, cancel_and_wait
 from neuron_bus.topology import connect, object_store
 from neuron_bus.trust import sealing
 from workers.errors import Reason
@@ -79,10 +79,7 @@ class SnapshotStore:
         self._task = asyncio.create_task(self._open(), name="snapshot-store")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._inflight.values()) if t]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(self._task, *self._inflight.values())
         await self._background.cancel_all()
         if self.url and self._nc is not None:
             try:
