@@ -27,29 +27,19 @@ import numpy as np
 from neuron_bus import codec, session_events
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
-from neuron_bus.errors import MalformedMessage, RouteError
+from neuron_bus.errors import RouteError
 from neuron_bus.flow import publish
 from neuron_bus.ping import ping
 from neuron_bus.prefix import block_hashes
+from neuron_bus.quiet import QuietSpell, busy_nodes
 from neuron_bus.repair import repair as repair_route
 from neuron_bus.routes import hop_header
 from neuron_bus.tasks import cancel_and_wait
 from neuron_bus.telemetry import GenerationProgress
-from neuron_bus.timing import BUSY_WAIT_S, heartbeat_loss_s
+from neuron_bus.timing import heartbeat_loss_s
 from neuron_bus.trust import sealing
 from workers.errors import Reason
 
-# No token, telemetry or error for STALL_TIMEOUT_S: the route is considered dead, unless a node of
-# it said in its last heartbeat that it has other sessions or queued work (the session waits its
-# turn behind them: a prompt at a busy head hop shows no progress until it is computed); then for
-# at most timing.BUSY_WAIT_S.
-STALL_TIMEOUT_S = 60.0
-# This long without progress, while a route node reports other work, the client republishes the
-# session's last telemetry naming those nodes (``waiting_at``): the page says it waits its turn.
-WAIT_NOTICE_S = 2.0
-# As long as it waits so, every this long, it tells its route's hops that it still wants the session:
-# a hop frees a session nothing reached for its idle timeout (300 s by default).
-KEEP_ALIVE_EVERY_S = 60.0
 CATCH_UP_S = 1.0  # this long without an event, the session's stored tokens are read for missed ones
 PREFILL_RETRIES = 1  # a route failing before the first token is retried from scratch this often
 MAX_REPAIRS = 2  # dead hops replaced in one generation (needs snapshots: see repair.py)
@@ -373,10 +363,8 @@ class GenerationRun:
 
     async def _route_events(self):
         last_phase = "prefill"
-        quiet = 0.0
+        quiet = QuietSpell()
         last: M.GenerationTelemetry | None = None  # the session's last telemetry (the route's or this client's)
-        waiting: list[str] = []  # the busy nodes the last waiting notice named
-        keep_alive_at = KEEP_ALIVE_EVERY_S  # quiet this long while waiting: the hops are told it is wanted
         while True:
             if self.sender.done() and self.sender.exception():
                 raise RouteError(
@@ -385,25 +373,21 @@ class GenerationRun:
             try:
                 kind, data = await asyncio.wait_for(self.queue.get(), CATCH_UP_S)
             except TimeoutError:
-                quiet += CATCH_UP_S
-                busy = self._busy_nodes() if quiet >= WAIT_NOTICE_S else []
-                if quiet >= STALL_TIMEOUT_S and (quiet >= BUSY_WAIT_S or not busy):
-                    why = " (its nodes busy with other sessions all along)" if quiet >= BUSY_WAIT_S else ""
+                due = quiet.grow(CATCH_UP_S, lambda: busy_nodes(self.last_beats))
+                if due.stalled:
                     raise RouteError(
                         Reason.STALLED,
-                        f"no progress from route {self.live_route.route_id} for {quiet:.0f}s{why}",
+                        f"no progress from route {self.live_route.route_id} {due.stalled}",
                         phase=last_phase,
                     ) from None
-                if busy and busy != waiting:
-                    waiting = busy
-                    await self._publish_waiting(last, busy)  # comes back through the subscription
-                if busy and quiet >= keep_alive_at:
-                    keep_alive_at = quiet + KEEP_ALIVE_EVERY_S
+                if due.notice:
+                    await self._publish_waiting(last, due.notice)  # comes back through the subscription
+                if due.keep_alive:
                     await self._keep_alive()
                 await self._catch_up()  # a quiet route, or a subscription that missed messages
                 continue
             if kind == "catch_up":
-                quiet = 0.0
+                quiet.progress()
                 await self._catch_up()
                 continue
             if kind == "lost":
@@ -419,22 +403,9 @@ class GenerationRun:
                 if event.waiting_at:  # this client's own notice: no progress of the route
                     yield event
                     continue
-            quiet, waiting, keep_alive_at = 0.0, [], KEEP_ALIVE_EVERY_S
+            quiet.progress()
             last_phase = event.phase if isinstance(event, M.GenerationTelemetry) else "decode"
             yield event
-
-    def _busy_nodes(self) -> list[str]:
-        """The route's nodes that said in their last heartbeat that they have other sessions than
-        this one or queued work: a quiet session is waiting its turn there, not lost."""
-        busy = []
-        for node, data in self.last_beats.items():
-            try:
-                beat = M.decode(data, M.NodeHeartbeat)
-            except MalformedMessage:
-                continue
-            if beat.sessions_active > 1 or beat.queue_depth > 0:
-                busy.append(node)
-        return sorted(busy)
 
     async def _publish_waiting(self, last: M.GenerationTelemetry | None, busy: list[str]) -> None:
         """Say on the session's telemetry that it waits its turn at ``busy`` (its last telemetry, so a

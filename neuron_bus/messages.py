@@ -599,7 +599,7 @@ class GenerationTelemetry(Struct):
     accepted_draft_tokens: int = 0  # of which the tail's own choice agreed with (each one a token)
     prefill_tokens_reused: int = 0  # prompt positions every hop attached from its prefix cache (not computed)
     # route nodes that reported other sessions or queued work while this session showed no progress
-    # for a few seconds (generation.py: WAIT_NOTICE_S): it waits its turn there. Published by the
+    # for a few seconds (quiet.py: WAIT_NOTICE_S): it waits its turn there. Published by the
     # client, on the session's last telemetry; the next progress has it empty again.
     waiting_at: list[str] = []
     ts: float = 0.0

@@ -124,12 +124,12 @@ def test_a_prompt_waiting_its_turn_behind_other_sessions_is_not_failed_as_stalle
     WAIT_NOTICE_S the session's telemetry names the busy nodes it waits at; and the client keeps
     telling the hops that the waiting session is wanted, so they do not free it as idle (their idle
     timeout cut to 3 s)."""
-    from neuron_bus import generation
+    from neuron_bus import quiet as quiet_rule
     from workers.tokenizer import Tokenizer
 
-    monkeypatch.setattr(generation, "STALL_TIMEOUT_S", 3.0)
-    monkeypatch.setattr(generation, "WAIT_NOTICE_S", 1.0)
-    monkeypatch.setattr(generation, "KEEP_ALIVE_EVERY_S", 1.0)
+    monkeypatch.setattr(quiet_rule, "STALL_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(quiet_rule, "WAIT_NOTICE_S", 1.0)
+    monkeypatch.setattr(quiet_rule, "KEEP_ALIVE_EVERY_S", 1.0)
     ids = prompt(Tokenizer(smollm2_path), 264 + 4)
     prompts = [ids[k : k + 264] for k in range(4)]  # a chunk of 260 each: no two fit one prefill call (512)
     sampling = M.SamplingParams(max_tokens=2, ignore_eos=True)
@@ -159,8 +159,8 @@ def test_a_prompt_waiting_its_turn_behind_other_sessions_is_not_failed_as_stalle
     with swarm:
         done = asyncio.run(scenario())
     assert [len(tokens) for tokens, _, _ in done] == [2, 2, 2, 2]
-    assert max(quiet for _, quiet, _ in done) > generation.STALL_TIMEOUT_S  # a prompt did wait longer than that
+    assert max(quiet for _, quiet, _ in done) > quiet_rule.STALL_TIMEOUT_S  # a prompt did wait longer than that
     # and was told where it waits (the page shows it): at the head, busy with the others' prompts
     tokens, quiet, notices = max(done, key=lambda d: d[1])
     assert notices and all(n == ["worker-0"] or n == ["worker-0", "worker-1"] for n in notices), notices
-    assert not any(notices for _, quiet, notices in done if quiet < generation.WAIT_NOTICE_S)
+    assert not any(notices for _, quiet, notices in done if quiet < quiet_rule.WAIT_NOTICE_S)
