@@ -31,7 +31,7 @@ from neuron_bus.errors import RouteError
 from neuron_bus.flow import publish
 from neuron_bus.ping import ping
 from neuron_bus.prefix import block_hashes
-from neuron_bus.quiet import QuietSpell, busy_nodes
+from neuron_bus.quiet import QuietSpell, busy_nodes, keep_alive_every
 from neuron_bus.repair import repair as repair_route
 from neuron_bus.routes import hop_header
 from neuron_bus.tasks import cancel_and_wait
@@ -101,6 +101,7 @@ class GenerationRun:
         self.last_beats: dict[str, bytes] = {}  # node -> its last heartbeat, encoded (read when the route is quiet)
         self.generated: list[int] = []  # token ids delivered, in order
         self.lost: set[str] = set()
+        self.idle_timeouts: dict[str, float] = {}  # node -> the idle timeout it announced when the session opened there
         self.rtt: dict[str, float] = {}  # node -> seconds: a ping's round trip, once the session opened there
         self.retries = self.repairs = 0
         self.stream_seq: dict[str, int] = {}  # NEURON_TOKENS read up to here (catch-up reads)
@@ -265,6 +266,8 @@ class GenerationRun:
         req = self._session_open(i, prompt=list(self.tokens) if i == len(hops) - 1 else None)
         req.prefix_blocks, req.reuse_prefix, req.prefix = blocks, reuse, prefix
         reply = await self.client.control(node, req)
+        if isinstance(reply, M.SessionOpened):
+            self.idle_timeouts[node] = reply.idle_timeout_s
         if node not in self.rtt:  # measured once per node of the run, for its liveness watch
             self.rtt[node] = await ping(self.client.nc, node, timeout=5.0) or 0.0
         return reply
@@ -363,7 +366,7 @@ class GenerationRun:
 
     async def _route_events(self):
         last_phase = "prefill"
-        quiet = QuietSpell()
+        quiet = QuietSpell(keep_alive_every(self.idle_timeouts.get(h.node_id, 0.0) for h in self.live_route.hops))
         last: M.GenerationTelemetry | None = None  # the session's last telemetry (the route's or this client's)
         while True:
             if self.sender.done() and self.sender.exception():

@@ -356,6 +356,10 @@ class SessionOpened(Struct, tag_field="type", tag="opened"):
     layer_end: int
     cache_bytes: int
     prefix: PrefixReuse | None = None  # the prompt prefix this hop attached from its cache
+    # the hop frees the session after this long with nothing computed for it and no keep-alive
+    # (neuron-bus worker --idle-timeout): a client waiting its turn sends keep-alives well within it
+    # (quiet.keep_alive_every). 0: not said (a hop of an earlier build)
+    idle_timeout_s: float = 0.0
 
 
 class SessionClose(Struct, tag_field="op", tag="close"):

@@ -122,14 +122,14 @@ def test_a_prompt_waiting_its_turn_behind_other_sessions_is_not_failed_as_stalle
     positions, one per call, on a head slowed by 500 ms a call). The client's stall timeout, cut to
     3 s, fails a quiet route only while its nodes' heartbeats show nothing else to do; past
     WAIT_NOTICE_S the session's telemetry names the busy nodes it waits at; and the client keeps
-    telling the hops that the waiting session is wanted, so they do not free it as idle (their idle
-    timeout cut to 3 s)."""
+    telling the hops that the waiting session is wanted, so they do not free it as idle: their idle
+    timeout is cut to 3 s, which they announce when the session opens, and the client's keep-alives
+    come as often as that needs (not every KEEP_ALIVE_EVERY_S)."""
     from neuron_bus import quiet as quiet_rule
     from workers.tokenizer import Tokenizer
 
     monkeypatch.setattr(quiet_rule, "STALL_TIMEOUT_S", 3.0)
     monkeypatch.setattr(quiet_rule, "WAIT_NOTICE_S", 1.0)
-    monkeypatch.setattr(quiet_rule, "KEEP_ALIVE_EVERY_S", 1.0)
     ids = prompt(Tokenizer(smollm2_path), 264 + 4)
     prompts = [ids[k : k + 264] for k in range(4)]  # a chunk of 260 each: no two fit one prefill call (512)
     sampling = M.SamplingParams(max_tokens=2, ignore_eos=True)

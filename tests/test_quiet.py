@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from neuron_bus import messages as M
 from neuron_bus import quiet, timing
-from neuron_bus.quiet import QuietSpell, busy_nodes
+from neuron_bus.quiet import QuietSpell, busy_nodes, keep_alive_every
 
 
 def beat(node: str, sessions: int, queued: int) -> bytes:
@@ -74,3 +74,19 @@ def test_progress_ends_the_spell():
     dues = [spell.grow(1.0, lambda: ["worker-0"]) for _ in range(int(quiet.KEEP_ALIVE_EVERY_S))]
     assert dues[int(quiet.WAIT_NOTICE_S) - 1].notice == ["worker-0"]
     assert [d.keep_alive for d in dues].index(True) == int(quiet.KEEP_ALIVE_EVERY_S) - 1
+
+
+def test_keep_alives_come_well_within_the_shortest_idle_timeout_the_hops_announced():
+    every = quiet.KEEP_ALIVE_EVERY_S
+    assert keep_alive_every([]) == every
+    assert keep_alive_every([0.0, 0.0]) == every  # hops that did not say
+    assert keep_alive_every([300.0, 600.0]) == every
+    assert keep_alive_every([300.0, 90.0, 0.0]) == 30.0
+    assert keep_alive_every([3.0, 300.0]) == 1.0
+    # a hop freeing sessions after 3 s: kept alive from the first second of waiting, named only
+    # once the notice is due
+    spell, dues = QuietSpell(keep_alive_every([3.0, 300.0])), []
+    for _ in range(5):
+        dues.append(spell.grow(1.0, lambda: ["worker-0"]))
+    assert [d.keep_alive for d in dues] == [True] * 5
+    assert [d.notice for d in dues] == [None, ["worker-0"], None, None, None]

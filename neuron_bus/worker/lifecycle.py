@@ -50,8 +50,10 @@ class SessionLifecycle:
         node_telemetry,
         metrics,
         prefix_cache: PrefixCache | None = None,
+        idle_timeout_s: float = 0.0,
     ):
         self.prefix_cache = prefix_cache  # None: no prefix reuse on this hop
+        self.idle_timeout_s = idle_timeout_s  # the worker's reaper frees a session idle this long (announced)
         self.engine = engine
         self.runner = runner
         self.consumers = consumers
@@ -80,6 +82,7 @@ class SessionLifecycle:
             layer_end=hop.layer_end,
             cache_bytes=cache_bytes,
             prefix=prefix,
+            idle_timeout_s=self.idle_timeout_s,
         )
 
     def _keys(self, req: M.SessionOpen, blocks: list[str]) -> list[str]:

@@ -121,7 +121,7 @@ class WorkerService:
         deliveries = Deliveries()
         self.lifecycle = SessionLifecycle(
             self.engine, self.runner, self.consumers, deliveries, self.snapshots, self.trail, self.node_telemetry,
-            self.metrics, prefixes,
+            self.metrics, prefixes, idle_timeout_s=self.opts.idle_timeout,
         )  # fmt: skip
         self.mover = Mover(self, reload)
         self.control = ControlPlane(self.node_id, self.lifecycle, self.runner, tokenizer, self.metrics, self.mover)
