@@ -3,10 +3,10 @@ session for a while.
 
 A quiet route is dead after STALL_TIMEOUT_S, unless a node of it said in its last heartbeat that it
 has other sessions or queued work: then the session is waiting its turn behind them (a prompt at a
-busy head hop shows no progress until it is computed), for at most timing.BUSY_WAIT_S. While it waits, the client
-says where (a notice on the session's telemetry, whenever the busy nodes change) and keeps its
-hops from freeing it as idle (a keep-alive every KEEP_ALIVE_EVERY_S, or sooner for a hop with a
-shorter idle timeout).
+busy head hop shows no progress until it is computed), for at most timing.BUSY_WAIT_S. While it
+waits, the client says where (a notice on the session's telemetry, whenever the busy nodes change)
+and keeps its hops from freeing it as idle (a keep-alive every KEEP_ALIVE_EVERY_S, or sooner for a
+hop with a shorter idle timeout).
 
 `QuietSpell` is the rule alone, without I/O; generation.py does what it says is due.
 """
@@ -21,7 +21,7 @@ from neuron_bus import timing
 from neuron_bus.errors import MalformedMessage
 
 STALL_TIMEOUT_S = 60.0  # quiet this long with no route node busy (busy_nodes): the route is dead
-# This long without progress, while a route node reports other sessions, the client republishes the
+# This long without progress, while a route node is busy (busy_nodes), the client republishes the
 # session's last telemetry naming those nodes (``waiting_at``): the page says it waits its turn.
 WAIT_NOTICE_S = 2.0
 # As long as it waits so, every this long, it tells its route's hops that it still wants the session:
