@@ -150,6 +150,13 @@ class NeuronClient:
         reply = self.reply(msg, M.ControlReply, f"node {node_id}", node_id)
         if isinstance(reply, M.ControlError):
             raise RouteError(Reason.of(reply.code), f"{node_id}: {reply.message}", node_id=node_id)
+        answer = M.CONTROL_ANSWERS[type(req)]
+        if not isinstance(reply, answer):
+            raise RouteError(
+                Reason.BAD_REPLY,
+                f"node {node_id} answered {type(req).__name__} with {type(reply).__name__}, not {answer.__name__}",
+                node_id=node_id,
+            )
         return reply
 
     async def tell(self, node_id: str, req) -> None:

@@ -266,8 +266,7 @@ class GenerationRun:
         req = self._session_open(i, prompt=list(self.tokens) if i == len(hops) - 1 else None)
         req.prefix_blocks, req.reuse_prefix, req.prefix = blocks, reuse, prefix
         reply = await self.client.control(node, req)
-        if isinstance(reply, M.SessionOpened):
-            self.idle_timeouts[node] = reply.idle_timeout_s
+        self.idle_timeouts[node] = reply.idle_timeout_s
         if node not in self.rtt:  # measured once per node of the run, for its liveness watch
             self.rtt[node] = await ping(self.client.nc, node, timeout=5.0) or 0.0
         return reply

@@ -541,6 +541,18 @@ ControlReply = (
     | SessionResumed
     | MoveAccepted
 )
+# What answers each control request, besides ControlError. Any other answer comes from a faulty or
+# foreign responder on the node's subject (client.control says which node, as bad_reply).
+CONTROL_ANSWERS: dict[type, type] = {
+    SessionOpen: SessionOpened,
+    SessionClose: SessionClosed,
+    SessionKeepAlive: SessionKeptAlive,
+    SessionsQuery: SessionsReport,
+    Ping: Pong,
+    TokenizeRequest: TokenizeReply,
+    SessionResume: SessionResumed,
+    MoveRange: MoveAccepted,
+}
 RouteReply = RouteAssignment | RouteRejection
 
 
