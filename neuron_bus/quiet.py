@@ -66,7 +66,7 @@ class Due:
 
 @dataclass
 class QuietSpell:
-    keep_alive_every: float | None = None  # seconds between keep-alives (keep_alive_every); None: KEEP_ALIVE_EVERY_S
+    keep_alive_every: float = KEEP_ALIVE_EVERY_S  # seconds between keep-alives (keep_alive_every)
     seconds: float = 0.0
     named: list[str] = field(default_factory=list)  # the busy nodes the last notice named
     keep_alive_at: float = 0.0  # quiet this long while waiting: the hops are told the session is wanted
@@ -74,13 +74,9 @@ class QuietSpell:
     def __post_init__(self) -> None:
         self.progress()
 
-    @property
-    def interval(self) -> float:
-        return KEEP_ALIVE_EVERY_S if self.keep_alive_every is None else self.keep_alive_every
-
     def progress(self) -> None:
         """The route showed progress: the spell is over."""
-        self.seconds, self.named, self.keep_alive_at = 0.0, [], self.interval
+        self.seconds, self.named, self.keep_alive_at = 0.0, [], self.keep_alive_every
 
     def grow(self, seconds: float, busy: Callable[[], list[str]]) -> Due:
         """The route stayed quiet ``seconds`` more; ``busy`` tells the route's nodes busy with other
@@ -95,6 +91,6 @@ class QuietSpell:
         if nodes and nodes != self.named and self.seconds >= WAIT_NOTICE_S:
             self.named = due.notice = nodes
         if nodes and self.seconds >= self.keep_alive_at:
-            self.keep_alive_at = self.seconds + self.interval
+            self.keep_alive_at = self.seconds + self.keep_alive_every
             due.keep_alive = True
         return due
