@@ -153,7 +153,13 @@ def test_two_trackers_never_hand_the_same_gap_to_two_nodes(smollm2_path, tmp_pat
     extra = {i: ["--max-layers", "15"] for i in range(2)}
     swarm = LocalSwarm(smollm2_path, workdir=tmp_path, auto_workers=2, trackers=2, worker_extra=extra)
     with swarm:  # the two workers joined at the same time, each asking whichever tracker answers
-        held = ranges(swarm)
+        # the coverage map comes from either tracker, and the one that answers may hear of a
+        # worker's readiness a little later (relayed heartbeats): wait until it lists both
+        def both_ready() -> dict[str, tuple[int, int]] | None:
+            held = ranges(swarm)
+            return held if len(held) == 2 else None
+
+        held = wait_for(both_ready, 30, "both workers ready")
         assert len(held) == 2 and held["worker-0"] != held["worker-1"] and covered(swarm)
 
 
