@@ -233,20 +233,27 @@ class NeuronClient:
         avoid: set[str] | frozenset[str] = frozenset(),
         **pins,
     ) -> M.RouteAssignment:
-        """A route from the tracker; one through a node in ``avoid`` (lost ones the tracker may still
-        list for a few seconds) is asked again until the tracker has expired them (then taken)."""
+        """A route from the tracker, which plans around the nodes in ``avoid`` while others cover
+        their layers. One through a node in ``avoid`` (nothing else covers its layers, and a lost
+        node may still be listed for a few seconds) is asked again until the tracker has expired
+        them, then taken (a lost node that came back)."""
         deadline = time.monotonic() + AVOID_LOST_S
         while True:
-            route = await self._route(model_preset, wire_dtype, encoding, **pins)
+            route = await self._route(model_preset, wire_dtype, encoding, avoid=sorted(avoid), **pins)
             if not avoid & {h.node_id for h in route.hops} or time.monotonic() > deadline:
                 return route
             await asyncio.sleep(0.5)
 
     async def _route(
-        self, model_preset: str, wire_dtype: M.WireDtype, encoding: M.Encoding, **pins
+        self, model_preset: str, wire_dtype: M.WireDtype, encoding: M.Encoding, avoid: list[str], **pins
     ) -> M.RouteAssignment:
         req = M.RouteRequest(
-            request_id=uuid.uuid4().hex, model_preset=model_preset, wire_dtype=wire_dtype, encoding=encoding, **pins
+            request_id=uuid.uuid4().hex,
+            model_preset=model_preset,
+            wire_dtype=wire_dtype,
+            encoding=encoding,
+            avoid=avoid,
+            **pins,
         )
         msg = await self.ask_tracker(S.ROUTE_REQUEST, req, CONTROL_TIMEOUT_S)
         reply = self.reply(msg, M.RouteReply, f"the tracker on {S.ROUTE_REQUEST}")

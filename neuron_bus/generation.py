@@ -2,7 +2,7 @@
 
 `GenerationRun.events()` is what `NeuronClient.generate` yields:
 
-- start: a route from the tracker (avoiding nodes lost so far), the prompt tokenized by hop 0,
+- start: a route from the tracker (around the nodes lost or found faulty so far), the prompt tokenized by hop 0,
   a session opened on every hop, the prompt streamed into hop 0 in chunks;
 - events: telemetry and token deltas as the route publishes them; the route nodes' heartbeats are
   watched so a dead node ends the wait within seconds, not at the stall timeout;
@@ -55,6 +55,13 @@ RETRYABLE = {
     Reason.UNKNOWN_SESSION,
 }
 LIVENESS_CHECK_S = 0.5
+
+
+def retryable(exc: RouteError) -> bool:
+    """Whether a failure before the first token is worth a new route: a node's, or the route's.
+    A node that answered nonsense (a faulty build, a foreign responder on its subject) is avoided
+    on the next route as a lost one is; the tracker's nonsense is not retried."""
+    return exc.reason in RETRYABLE or (exc.reason == Reason.BAD_REPLY and exc.node_id is not None)
 
 
 class GenerationRun:
@@ -465,7 +472,7 @@ class GenerationRun:
         if exc.node_id and exc.reason in SILENT:
             self.lost.add(exc.node_id)  # avoided from now on, and closing its session does not wait for it
         if not self.generated:  # before the first token: retry from scratch on a new route
-            if exc.reason not in RETRYABLE or self.retries >= self.prefill_retries:
+            if not retryable(exc) or self.retries >= self.prefill_retries:
                 raise exc
             self.retries += 1
             if exc.node_id:

@@ -246,6 +246,9 @@ class RouteRequest(Struct):
     wire_dtype: WireDtype = "f32"
     encoding: Encoding = "raw"
     protocol: int = PROTOCOL  # the client's
+    # Nodes this generation lost or found faulty (a reply of the wrong kind): routed around while
+    # the other nodes still cover the model, used only when nothing else covers their layers.
+    avoid: list[str] = msgspec.field(default_factory=list)
 
 
 class RouteHop(Struct):

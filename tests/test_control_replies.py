@@ -4,11 +4,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import msgspec
 import pytest
 
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.client import NeuronClient, RouteError
+from neuron_bus.local_swarm import LocalSwarm
+from tests.test_tracker import Node
 from workers.errors import Reason
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,3 +58,55 @@ async def test_every_control_request_has_its_answer(client):
     assert set(M.CONTROL_ANSWERS) == requests
     await answer_with(client, "good", M.Pong(node_id="good", sent_at=1.0))
     assert await client.control("good", M.Ping(sent_at=1.0), timeout=5) == M.Pong(node_id="good", sent_at=1.0)
+
+
+class Rogue(Node):
+    """A node the tracker lists like any other (the workers' own report, but faster, so it is
+    routed first) that answers every control request with a Pong: a faulty build."""
+
+    def __init__(self, nc, caps: M.CapabilityReport):
+        per_layer = caps.active_parameters_per_layer[:1] * caps.n_layers_total
+        tps = 10 * caps.decode_tokens_per_second
+        fields = msgspec.structs.asdict(caps) | {
+            "prefill_tokens_per_second": 10 * caps.prefill_tokens_per_second,
+            "decode_tokens_per_second": tps,
+            "active_parameters_per_layer": per_layer,
+        }
+        for name in ("node_id", "layer_start", "layer_end"):
+            del fields[name]
+        super().__init__(nc, "rogue", 0, caps.n_layers_total, tps=tps, answer_pings=True, **fields)
+        self.asked: list[str] = []
+
+    async def _on_ctl(self, msg):
+        req = M.decode(msg.data, M.ControlRequest)
+        if not isinstance(req, M.Ping):
+            self.asked.append(type(req).__name__)
+        await msg.respond(M.encode(M.Pong(node_id=self.node_id, sent_at=getattr(req, "sent_at", 0.0))))
+
+
+@pytest.mark.timeout(180)
+def test_a_node_that_answers_nonsense_is_routed_around_on_the_retry(smollm2_path, tmp_path):
+    """The tracker routes the generation through the rogue first; its open gets a Pong (a bad
+    reply naming it), and the retry asks for a route around it and is served by the workers."""
+    swarm = LocalSwarm(smollm2_path, 2, backend="noop", workdir=tmp_path)
+    sampling = M.SamplingParams(max_tokens=5, ignore_eos=True)
+
+    async def run():
+        async with await NeuronClient.connect(swarm.url) as c:
+            kv = await c.nc.jetstream().key_value(S.KV_NODES)
+            caps = M.decode((await kv.get("worker-0")).value, M.CapabilityReport)
+            rogue = await Rogue(c.nc, caps).start()
+            try:
+                deadline = time.monotonic() + 30
+                while "rogue" not in (await c.coverage(swarm.preset)).models[0].layers[0].replicas:
+                    assert time.monotonic() < deadline, "the tracker never listed the rogue node"
+                    await asyncio.sleep(0.2)
+                result = await c.complete(prompt_tokens=[1, 2, 3, 4], sampling=sampling)
+            finally:
+                await rogue.stop()
+            return result, rogue.asked
+
+    with swarm:
+        result, asked = asyncio.run(run())
+    assert asked == ["SessionOpen"], asked  # tried once (it was the cheapest), then avoided
+    assert result.tokens == [0] * 5  # the no-op workers' greedy pick

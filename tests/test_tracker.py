@@ -578,3 +578,17 @@ async def test_cli_coverage_without_a_tracker_fails_with_one_clear_line(bus):
 async def test_cli_tracker_on_an_unprovisioned_server_fails_clearly(nats_server):
     out = await asyncio.to_thread(_run, "tracker", "--nats", nats_server.url)
     assert out.returncode == 1 and "provision" in out.stderr
+
+
+async def test_a_route_goes_around_the_nodes_a_request_avoids_while_others_cover_their_layers(bus, tracker):
+    await bus.node("whole", 0, 30, tps=100.0)
+    await bus.node("head", 0, 15, tps=50.0)
+    await bus.node("tail", 15, 30, tps=50.0)
+    await live(tracker, "whole", "head", "tail")
+    assert hops(await ask_route(bus.nc, request_id="a")) == [("whole", 0, 30)]  # the cheapest
+    assert hops(await ask_route(bus.nc, request_id="b", avoid=["whole"])) == [("head", 0, 15), ("tail", 15, 30)]
+    assert hops(await ask_route(bus.nc, request_id="c", avoid=["tail"])) == [("whole", 0, 30)]
+    # nothing covers layers 15-29 without an avoided node: the route goes through one (a lost node
+    # that came back is used again) rather than being refused
+    route = hops(await ask_route(bus.nc, request_id="d", avoid=["whole", "tail"]))
+    assert route[-1][2] == 30 and {"whole", "tail"} & {node for node, _, _ in route}

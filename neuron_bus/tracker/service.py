@@ -30,7 +30,9 @@ ring.py, coverage.py, latency.py for the parts):
   heartbeat is delivered to one tracker and reaches the others in a relay of many (one message);
 - route request: O(c k log m + the ring search over c k candidates), independent of n beyond
   the log; several are served concurrently (the KV and stream writes overlap), each reserving
-  its nodes' load before its first await so concurrent plans spread. A request no route can
+  its nodes' load before its first await so concurrent plans spread. A request that names nodes
+  to avoid (its generation lost them, or they answered nonsense) is planned without them first,
+  and with them only when that finds no route: at most two searches. A request no route can
   serve is explained by the pure planner over every node: O(n log n), the rejection path;
 - coverage request: the map built and encoded (O(n log n + output)) in a child forked from the
   tracker (forked.py: the table as it is, nothing copied on the event loop but page tables, and
@@ -383,6 +385,11 @@ class TrackerService:
         def keep(v) -> bool:
             return v.node_id not in flagged and registry.alive(v.node_id, now)
 
+        if req.avoid:  # around them while the others cover the model; through them only if nothing else does
+            avoid = set(req.avoid)
+            plan = plan_indexed(req, registry.index, self.params, lambda v: v.node_id not in avoid and keep(v))
+            if plan is not None:
+                return plan
         plan = plan_indexed(req, registry.index, self.params, keep)
         if plan is not None:
             return plan
