@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from workers.files import atomic_output
+
 
 class UnknownModel(LookupError):
     pass
@@ -88,13 +90,8 @@ def _assembled(assemble, target: Path) -> Path:
     file, which the package's own assemble writes in place."""
     if target.is_file():
         return Path(assemble(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
-    try:
+    with atomic_output(target) as partial:
         assemble(partial, overwrite=True)
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
     return target
 
 
@@ -122,8 +119,6 @@ def revision(path: Path) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
         known[key] = h.hexdigest()[:16]
-        index.parent.mkdir(parents=True, exist_ok=True)
-        tmp = index.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(known))
-        os.replace(tmp, index)
+        with atomic_output(index) as tmp:
+            tmp.write_text(json.dumps(known))
     return known[key]

@@ -8,5 +8,6 @@ exactly the layers it runs (a slice file, or the whole model) and their place in
 Modules: protocol.py (the interface and shared bookkeeping), registry.py (open a backend by
 kind), llama_cpp_common.py (the llama.cpp context, batches, the boundary tap),
 llama_cpp_range.py / llama_cpp_full.py (llama.cpp), torch_model.py / torch_backend.py (torch,
-read straight from the GGUF), noop_backend.py (the bus alone), tokenizer.py (the model's own).
+read straight from the GGUF), noop_backend.py (the bus alone), tokenizer.py (the model's own),
+files.py (files written whole; the bus's own files use it too).
 """

@@ -23,6 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from workers.files import atomic_output
+
 SOURCE = r"""
 #include <stdbool.h>
 #include <stddef.h>
@@ -127,7 +129,5 @@ def _compile(out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "tap.c"
         src.write_text(SOURCE)
-        part = Path(tmp) / "tap.so"
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(part), str(src)], check=True, capture_output=True)
-        shutil.copy(part, f"{out}.{os.getpid()}")
-        os.replace(f"{out}.{os.getpid()}", out)  # atomic: workers starting together never load half a file
+        with atomic_output(out) as part:  # workers starting together never load half a file
+            subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(part), str(src)], check=True, capture_output=True)

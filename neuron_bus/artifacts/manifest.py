@@ -9,8 +9,6 @@ hashed with sha256 in a single streaming pass. The artifact id is derived from t
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from neuron_bus.messages import (
     TensorEntry,
 )
 from workers.errors import Reason
+from workers.files import atomic_output
 
 DEFAULT_PIECE_SIZE = 1 << 20
 READ_CHUNK = 1 << 20
@@ -304,17 +303,10 @@ def decode_manifest(data: bytes, source: str = "manifest") -> ArtifactManifest:
 
 
 def save_manifest(manifest: ArtifactManifest, path: Path) -> Path:
-    """Write JSON atomically (temp file + rename)."""
+    """Write JSON whole (workers/files.py)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(encode_manifest(manifest))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_output(path) as tmp:
+        tmp.write_bytes(encode_manifest(manifest))
     return path
 
 

@@ -10,8 +10,6 @@ so a failed write leaves nothing half-written.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 
 import gguf
@@ -20,6 +18,7 @@ import numpy as np
 from neuron_bus.artifacts.cuts import check_cut, layer_kinds, slice_metadata
 from neuron_bus.artifacts.gguf_model import META_PREFIX, ArtifactError, GGUFModel, Tensor, format_layers
 from workers.errors import Reason
+from workers.files import atomic_output
 
 _SKIP_KEYS = ("GGUF.", "split.", META_PREFIX)
 
@@ -68,10 +67,7 @@ def slice_gguf(
             tensors.append((new, t, False))
 
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    os.close(fd)
-    try:
+    with atomic_output(out_path) as tmp:
         writer = gguf.GGUFWriter(tmp, model.arch)
         _copy_metadata(model, writer, start, end)
         writer.add_uint32(META_PREFIX + "layer_start", start)
@@ -89,10 +85,6 @@ def slice_gguf(
             data = t.reader_tensor.data
             writer.write_tensor_data(np.zeros_like(data) if is_placeholder else data)
         writer.close()
-        os.replace(tmp, out_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return out_path
 
 

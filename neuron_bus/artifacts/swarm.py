@@ -39,6 +39,7 @@ from neuron_bus.artifacts.verify import verify
 from neuron_bus.messages import ArtifactManifest, PieceHash
 from neuron_bus.topology import object_store
 from workers.errors import Reason
+from workers.files import atomic_output
 
 
 def manifest_object(artifact_id: str) -> str:
@@ -248,8 +249,8 @@ async def fetch(
             for f in handles.values():
                 f.close()
         name = slice_name(manifest, start, end)
-        await asyncio.to_thread(_cut_slice, sparse, manifest, start, end, tmp / name)
-        os.replace(tmp / name, out_dir / name)
+        with atomic_output(out_dir / name) as part:
+            await asyncio.to_thread(_cut_slice, sparse, manifest, start, end, part)
         ok = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

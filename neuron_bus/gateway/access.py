@@ -31,6 +31,7 @@ from pathlib import Path
 from aiohttp import web
 
 from neuron_bus.gateway.validation import ApiError
+from workers.files import atomic_output
 
 KEY_PREFIX = "nb-"
 PROTECTED = ("/v1/", "/ws")
@@ -105,11 +106,10 @@ def add_key(path: Path, key_id: str, requests_per_minute: float = 60.0, burst: i
 
 
 def save_keys(path: Path, keys: list[ApiKey]) -> None:
-    tmp = Path(f"{path}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"keys": [k.as_entry() for k in keys]}, f, indent=2)
-    os.replace(tmp, path)
+    with atomic_output(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"keys": [k.as_entry() for k in keys]}, f, indent=2)
 
 
 class Bucket:
