@@ -15,7 +15,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -24,7 +24,7 @@ from neuron_bus import subjects as S
 from neuron_bus.admission import DEFAULT_LIMIT as DEFAULT_QUEUE_LIMIT
 from neuron_bus.admission import Admission
 from neuron_bus.errors import MalformedMessage, RouteError
-from neuron_bus.generation import PREFILL_RETRIES, GenerationRun
+from neuron_bus.generation import PREFILL_RETRIES, GenerationRun, retryable
 from neuron_bus.models import DEFAULT_PRESET
 from neuron_bus.timing import AVOID_LOST_S
 from neuron_bus.topology import connect, owner_of
@@ -213,17 +213,39 @@ class NeuronClient:
         """A route (``route``, or one from the tracker avoiding the nodes in ``avoid``) and the
         prompt's tokens: ``prompt_tokens`` as given (``check_tokens``: checked by the head against
         its vocabulary first), else ``prompt`` or ``messages`` tokenized by the route's head (which
-        applies the model's chat template to messages)."""
-        if route is None:
-            route = await self.route(model_preset, wire_dtype, encoding, policy=policy, avoid=avoid)
+        applies the model's chat template to messages). A head of the tracker's route that fails
+        to answer (gone, draining, a reply of another kind) is avoided on a new route, as often as
+        a generation retries a failed route (``PREFILL_RETRIES``)."""
+        avoid, retries = set(avoid), 0
+        while True:
+            chosen = route or await self.route(model_preset, wire_dtype, encoding, policy=policy, avoid=avoid)
+            try:
+                return Prepared(
+                    chosen, await self._prompt_tokens(chosen, prompt, messages, prompt_tokens, check_tokens)
+                )
+            except RouteError as exc:
+                if route is not None or exc.node_id is None or not retryable(exc) or retries >= PREFILL_RETRIES:
+                    raise
+                retries += 1
+                avoid.add(exc.node_id)
+
+    async def _prompt_tokens(
+        self,
+        route: M.RouteAssignment,
+        prompt: str | None,
+        messages: list[dict[str, str]] | None,
+        prompt_tokens: list[int] | None,
+        check_tokens: bool,
+    ) -> list[int]:
+        """The prompt's tokens: tokenized by the route's head, or as given (checked there: see prepare)."""
+        head = route.hops[0].node_id
         if prompt_tokens is None:
-            tokenize = M.TokenizeRequest(text=prompt, messages=messages)
-            prompt_tokens = (await self.control(route.hops[0].node_id, tokenize)).tokens
-        elif check_tokens:  # ids from an untrusted caller: the head checks them (bad_input)
-            await self.control(route.hops[0].node_id, M.TokenizeRequest(tokens=list(prompt_tokens)))
+            prompt_tokens = (await self.control(head, M.TokenizeRequest(text=prompt, messages=messages))).tokens
+        elif check_tokens and prompt_tokens:  # ids from an untrusted caller: the head checks them (bad_input)
+            await self.control(head, M.TokenizeRequest(tokens=list(prompt_tokens)))
         if not prompt_tokens:
             raise RouteError(Reason.EMPTY_PROMPT, "the prompt has no tokens")
-        return Prepared(route, list(prompt_tokens))
+        return list(prompt_tokens)
 
     async def route(
         self,
@@ -283,6 +305,7 @@ class NeuronClient:
         policy: str = "public",
         speculative: int = 0,
         prefix_reuse: bool = True,
+        on_route: Callable[[M.RouteAssignment], None] | None = None,
     ) -> AsyncGenerator[M.TokenDelta | M.GenerationTelemetry, None]:
         """Yield telemetry and token deltas; raise RouteError on a failed route.
 
@@ -294,6 +317,8 @@ class NeuronClient:
         call (the output is plain decoding's, greedy or seeded; see worker/drafting.py).
         ``prefix_reuse``: the hops attach the KV of a prompt prefix a finished session left them
         (neuron_bus/prefix.py) and compute only the rest; off: the whole prompt is computed.
+        ``on_route`` is told every route the session runs on: ``route`` (or the tracker's), then
+        the new one of a retry or a repair; the last one told is where the tokens came from.
         """
         run = GenerationRun(
             self,
@@ -311,6 +336,7 @@ class NeuronClient:
             repair=repair,
             speculative=speculative,
             prefix_reuse=prefix_reuse,
+            on_route=on_route,
         )
         async with aclosing(run.events()) as events:  # a caller that stops early closes the session at once
             async for event in events:
@@ -339,12 +365,15 @@ class NeuronClient:
             wire_dtype=wire_dtype,
             encoding=encoding,
         )
-        route, prompt_ids = prepared.route, prepared.prompt_tokens
+        routes, prompt_ids = [prepared.route], prepared.prompt_tokens
         first = None
         session_id = ""
         tokens, logprobs, tops, text = [], [], [], []
         finish = None
-        async for ev in self.generate(prompt_tokens=prompt_ids, route=route, model_preset=model_preset, **kwargs):
+        gen = self.generate(
+            prompt_tokens=prompt_ids, route=routes[0], model_preset=model_preset, on_route=routes.append, **kwargs
+        )
+        async for ev in gen:
             session_id = ev.session_id
             if isinstance(ev, M.TokenDelta):
                 first = first or time.monotonic()
@@ -356,7 +385,7 @@ class NeuronClient:
         now = time.monotonic()
         return Generation(
             session_id=session_id,
-            route=route,
+            route=routes[-1],  # the one the tokens came from
             prompt_tokens=list(prompt_ids),
             tokens=tokens,
             text="".join(text),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import msgspec
 import numpy as np
@@ -83,6 +83,7 @@ class GenerationRun:
         repair: bool = True,
         speculative: int = 0,
         prefix_reuse: bool = True,
+        on_route: Callable[[M.RouteAssignment], None] | None = None,
     ):
         self.client = client
         self.sampling = sampling
@@ -91,6 +92,7 @@ class GenerationRun:
         self.route = route
         self.prompt, self.messages, self.prompt_tokens = prompt, messages, prompt_tokens
         self.prefill_retries, self.repair = prefill_retries, repair
+        self.on_route = on_route  # told every route the session runs on: the first, a retry's, a repair's
         self.speculative = speculative  # draft tokens a decode step may carry (SessionOpen.speculative)
         self.prefix_reuse = prefix_reuse  # the head may attach a cached prompt prefix (neuron_bus/prefix.py)
         self.reused = 0  # prompt positions every hop attached from its prefix cache
@@ -328,6 +330,8 @@ class GenerationRun:
         self.progress.route_id = self.live_route.route_id
         self.progress.nodes = [h.node_id for h in self.live_route.hops]
         self.watcher = await self._watch_nodes(self.progress.nodes)
+        if self.on_route:
+            self.on_route(self.live_route)
 
     async def _watch_nodes(self, nodes: list[str]) -> asyncio.Task:
         """Follow the route nodes' heartbeats; queue ("lost", node) when one falls silent."""

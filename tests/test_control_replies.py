@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import aiohttp
 import msgspec
 import pytest
 
@@ -14,6 +15,7 @@ from neuron_bus import messages as M
 from neuron_bus import subjects as S
 from neuron_bus.client import NeuronClient, RouteError
 from neuron_bus.local_swarm import LocalSwarm
+from neuron_bus.natsserver import free_port
 from tests.test_tracker import Node
 from workers.errors import Reason
 
@@ -62,9 +64,10 @@ async def test_every_control_request_has_its_answer(client):
 
 class Rogue(Node):
     """A node the tracker lists like any other (the workers' own report, but faster, so it is
-    routed first) that answers every control request with a Pong: a faulty build."""
+    routed first) that answers control requests with a Pong, a faulty build: every request but a
+    ping, or (``tokenizes``) every one but a ping or a tokenization (then it fails at the open)."""
 
-    def __init__(self, nc, caps: M.CapabilityReport):
+    def __init__(self, nc, caps: M.CapabilityReport, tokenizes: bool):
         per_layer = caps.active_parameters_per_layer[:1] * caps.n_layers_total
         tps = 10 * caps.decode_tokens_per_second
         fields = msgspec.structs.asdict(caps) | {
@@ -75,38 +78,54 @@ class Rogue(Node):
         for name in ("node_id", "layer_start", "layer_end"):
             del fields[name]
         super().__init__(nc, "rogue", 0, caps.n_layers_total, tps=tps, answer_pings=True, **fields)
-        self.asked: list[str] = []
+        self.tokenizes = tokenizes
+        self.botched: list[str] = []  # the requests it answered with a Pong
 
     async def _on_ctl(self, msg):
         req = M.decode(msg.data, M.ControlRequest)
-        if not isinstance(req, M.Ping):
-            self.asked.append(type(req).__name__)
-        await msg.respond(M.encode(M.Pong(node_id=self.node_id, sent_at=getattr(req, "sent_at", 0.0))))
+        if isinstance(req, M.TokenizeRequest) and self.tokenizes:
+            reply: M.ControlReply = M.TokenizeReply(tokens=req.tokens or [1, 2, 3], text="")
+        else:
+            reply = M.Pong(node_id=self.node_id, sent_at=getattr(req, "sent_at", 0.0))
+        if isinstance(reply, M.Pong) and not isinstance(req, M.Ping):
+            self.botched.append(type(req).__name__)
+        await msg.respond(M.encode(reply))
 
 
 @pytest.mark.timeout(180)
-def test_a_node_that_answers_nonsense_is_routed_around_on_the_retry(smollm2_path, tmp_path):
-    """The tracker routes the generation through the rogue first; its open gets a Pong (a bad
-    reply naming it), and the retry asks for a route around it and is served by the workers."""
-    swarm = LocalSwarm(smollm2_path, 2, backend="noop", workdir=tmp_path)
-    sampling = M.SamplingParams(max_tokens=5, ignore_eos=True)
+@pytest.mark.parametrize("fails_at", ["TokenizeRequest", "SessionOpen"])
+def test_a_node_that_answers_nonsense_is_routed_around_on_the_retry(smollm2_path, tmp_path, fails_at):
+    """The tracker routes through the rogue first: a bad reply naming it, at the head's tokenization
+    (before the generation) or at the session's open (in it). The retry asks for a route around it
+    and is served by the workers, and the route reported is the one the tokens came from."""
+    swarm = LocalSwarm(smollm2_path, 2, backend="noop", workdir=tmp_path, gateway_port=free_port())
+    workers = ["worker-0", "worker-1"]
 
     async def run():
         async with await NeuronClient.connect(swarm.url) as c:
             kv = await c.nc.jetstream().key_value(S.KV_NODES)
             caps = M.decode((await kv.get("worker-0")).value, M.CapabilityReport)
-            rogue = await Rogue(c.nc, caps).start()
+            rogue = await Rogue(c.nc, caps, tokenizes=fails_at == "SessionOpen").start()
             try:
                 deadline = time.monotonic() + 30
                 while "rogue" not in (await c.coverage(swarm.preset)).models[0].layers[0].replicas:
                     assert time.monotonic() < deadline, "the tracker never listed the rogue node"
                     await asyncio.sleep(0.2)
-                result = await c.complete(prompt_tokens=[1, 2, 3, 4], sampling=sampling)
+                sampling = M.SamplingParams(max_tokens=5, ignore_eos=True)
+                result = await c.complete("Hello", sampling=sampling)
+                tried = list(rogue.botched)
+                async with aiohttp.ClientSession() as http:
+                    body = {"model": swarm.preset, "prompt": "Hello", "max_tokens": 3}
+                    async with http.post(f"{swarm.gateway_url}/v1/completions", json=body) as resp:
+                        answer = (resp.status, await resp.json())
             finally:
                 await rogue.stop()
-            return result, rogue.asked
+            return result, tried, rogue.botched[len(tried) :], answer
 
     with swarm:
-        result, asked = asyncio.run(run())
-    assert asked == ["SessionOpen"], asked  # tried once (it was the cheapest), then avoided
+        result, tried, tried_by_gateway, (status, answer) = asyncio.run(run())
+    assert tried == [fails_at], tried  # tried once (it was the cheapest), then avoided
     assert result.tokens == [0] * 5  # the no-op workers' greedy pick
+    assert [h.node_id for h in result.route.hops] == workers
+    assert tried_by_gateway == [fails_at], tried_by_gateway
+    assert status == 200 and answer["neuron_route"]["nodes"] == workers, answer

@@ -80,6 +80,7 @@ async def run_generation(
     async with await NeuronClient.connect(url, encrypt_activations=encrypt_activations) as client:
         text = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
         p = await client.prepare(model, **text, policy=policy, wire_dtype=wire_dtype, encoding=encoding)
+        routes = [p.route]  # then a retry's or a repair's: the last is the one the tokens came from
         with GenerationBar(err, len(p.prompt_tokens), sampling.max_tokens, as_json or not err.is_terminal) as bar:
             gen = client.generate(
                 prompt_tokens=p.prompt_tokens,
@@ -89,6 +90,7 @@ async def run_generation(
                 chunk_size=chunk_size,
                 policy=policy,
                 speculative=speculative,
+                on_route=routes.append,
             )
             async for ev in gen:
                 if isinstance(ev, M.GenerationTelemetry):
@@ -102,7 +104,7 @@ async def run_generation(
                 bar.token(len(deltas))
     elapsed = time.monotonic() - started
     rate = (len(deltas) - 1) / (time.monotonic() - first) if first and len(deltas) > 1 else 0.0
-    return report(p, deltas, rate, elapsed, as_json, out, err)
+    return report(Prepared(routes[-1], p.prompt_tokens), deltas, rate, elapsed, as_json, out, err)
 
 
 def report(

@@ -33,7 +33,8 @@ ATTACH_CHECK_S = 2.0
 
 @dataclass
 class Prepared:
-    """A request with its route and prompt tokens, checked against the context limit."""
+    """A request with its route and prompt tokens, checked against the context limit. ``route``
+    is the one the generation runs on: a retry's or a repair's replaces the first (``stream``)."""
 
     req: GenRequest
     route: M.RouteAssignment
@@ -44,9 +45,8 @@ class Prepared:
         assert self.req.model is not None  # prepare() chose it
         return self.req.model
 
-    @property
-    def nodes(self) -> list[str]:
-        return [h.node_id for h in self.route.hops]
+    def runs_on(self, route: M.RouteAssignment) -> None:
+        self.route = route
 
 
 @dataclass
@@ -231,6 +231,7 @@ class Bus:
             chunk_size=self.chunk_size,
             policy=p.req.policy,
             speculative=p.req.speculative,
+            on_route=p.runs_on,
         )
         try:
             async with aclosing(gen):

@@ -107,7 +107,7 @@ class Shape:
     def __init__(self, prepared: Prepared, chat: bool):
         self.req: GenRequest = prepared.req
         self.chat = chat
-        self.route = prepared.route
+        self.prepared = prepared  # its route: the one the tokens came from, once they came
         self.session_id = ""
         self.created = int(time.time())
 
@@ -119,7 +119,7 @@ class Shape:
             "object": obj,
             "created": self.created,
             "model": self.req.model,
-            "system_fingerprint": self.route.model_revision,
+            "system_fingerprint": self.prepared.route.model_revision,
         }
 
     def chunk(self, delta, logprobs, finish_reason) -> dict:
@@ -143,8 +143,8 @@ class Shape:
         else:
             choice = {"index": 0, "text": tally.text, "logprobs": logprobs, "finish_reason": tally.finish_reason}
         route = {
-            "route_id": self.route.route_id,
-            "nodes": [h.node_id for h in self.route.hops],
+            "route_id": self.prepared.route.route_id,
+            "nodes": [h.node_id for h in self.prepared.route.hops],
             "session_id": tally.session_id,
         }
         return {**self.head("chat"), "choices": [choice], "usage": tally.usage(), "neuron_route": route}
