@@ -275,10 +275,15 @@ class GenerationRun:
         req = self._session_open(i, prompt=list(self.tokens) if i == len(hops) - 1 else None)
         req.prefix_blocks, req.reuse_prefix, req.prefix = blocks, reuse, prefix
         reply = await self.client.control(node, req)
-        self.idle_timeouts[node] = reply.idle_timeout_s
-        if node not in self.rtt:  # measured once per node of the run, for its liveness watch
-            self.rtt[node] = await ping(self.client.nc, node, timeout=5.0) or 0.0
+        await self._met(node, reply.idle_timeout_s)
         return reply
+
+    async def _met(self, node: str, idle_timeout_s: float) -> None:
+        """A node the session opened on (or moved to in a repair): its announced idle timeout (the
+        keep-alives), and the round trip to it, measured once per node of the run (its liveness watch)."""
+        self.idle_timeouts[node] = idle_timeout_s
+        if node not in self.rtt:
+            self.rtt[node] = await ping(self.client.nc, node, timeout=5.0) or 0.0
 
     async def _open_each(self, indexes: range, blocks: list[str], prefix: M.PrefixReuse | None) -> None:
         hops = self.live_route.hops
@@ -492,7 +497,7 @@ class GenerationRun:
         self.repairs += 1
         spec = self._session_open(0, prompt=list(self.tokens))
         try:
-            self.route, start, node = await repair_route(
+            self.route, resumed, node = await repair_route(
                 self.client,
                 self.live_route,
                 exc.node_id,
@@ -507,8 +512,9 @@ class GenerationRun:
                 exc.reason, f"{exc}; route repair failed ({failed.reason}): {failed}", exc.phase, exc.node_id
             ) from None
         self.opened[:] = [n for n in self.opened if n != exc.node_id] + [node.node_id]
+        await self._met(node.node_id, resumed.idle_timeout_s)
         await self._follow_route()
-        self.sender = asyncio.create_task(self._send_prompt(self.tokens + self.generated, start=start))
+        self.sender = asyncio.create_task(self._send_prompt(self.tokens + self.generated, start=resumed.position))
         return False
 
     async def _report_failure(self, exc: RouteError) -> None:

@@ -425,6 +425,7 @@ class SessionResumed(Struct, tag_field="type", tag="resumed"):
     hop_index: int
     position: int  # the session's position on this hop now (restored snapshot or truncation)
     snapshot: str | None = None  # object name of the restored snapshot
+    idle_timeout_s: float = 0.0  # as SessionOpened's: a replacement's own, for the client's keep-alives
 
 
 class SessionKey(Struct):

@@ -122,8 +122,9 @@ async def repair(
     attempt: int,
     exclude: set[str],
     keys=None,
-) -> tuple[M.RouteAssignment, int, M.TrackedNode]:
-    """Repair ``route`` around ``dead`` (``session``: hop 0's open request): (new route, replay start, replacement).
+) -> tuple[M.RouteAssignment, M.SessionResumed, M.TrackedNode]:
+    """Repair ``route`` around ``dead`` (``session``: hop 0's open request): (new route, the
+    replacement's answer (its position is where the replay starts), the replacement).
 
     ``keys(route, hop_index)`` gives each hop's link keys (the session's, unchanged); a survivor's
     resume carries the proof that this client opened the session (trust/sealing.py)."""
@@ -168,7 +169,7 @@ async def repair(
         if isinstance(result, BaseException):
             raise result
     await purge(client.js, route)
-    return new, restored.position, node
+    return new, restored, node
 
 
 async def replacement(client, route: M.RouteAssignment, index: int, exclude: set[str]) -> M.TrackedNode:

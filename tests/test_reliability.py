@@ -263,6 +263,32 @@ def test_restore_refuses_missing_or_incompatible_snapshots(swarm, cache_server):
     assert not report.sessions  # nothing was opened from it
 
 
+def test_a_resumed_session_says_the_nodes_idle_timeout(swarm):
+    """A hop that moves a session onto a repaired route announces its idle timeout as an open does:
+    the client keeps the session alive within it (quiet.keep_alive_every)."""
+
+    async def scenario():
+        sid = f"idle{int(time.time() * 1000)}"
+        async with await NeuronClient.connect(swarm.url) as c:
+            route = await c.route("smollm2-135m")
+            for i, hop in enumerate(route.hops):
+                await c.control(
+                    hop.node_id, M.SessionOpen(session_id=sid, route=route, hop_index=i, prompt_tokens=4, n_ctx=512)
+                )
+            spare = next(w.node_id for w in swarm.workers if w.layers == UPPER and w.node_id != route.hops[1].node_id)
+            hops = [route.hops[0], M.RouteHop(**{**msgspec_dict(route.hops[1]), "node_id": spare})]
+            moved = M.RouteAssignment(**{**msgspec_dict(route), "route_id": route.route_id + "-r1", "hops": hops})
+            opened = M.SessionOpen(session_id=sid, route=moved, hop_index=0, prompt_tokens=4, n_ctx=512)
+            resumed = await c.control(route.hops[0].node_id, M.SessionResume(open=opened, position=0, replay_end=4))
+            await c.control(route.hops[0].node_id, M.SessionClose(session_id=sid, route_id=moved.route_id))
+            await c.control(route.hops[1].node_id, M.SessionClose(session_id=sid, route_id=route.route_id))
+            return resumed
+
+    resumed = run(scenario())
+    assert (resumed.node_id, resumed.position) == ("worker-0", 0)
+    assert resumed.idle_timeout_s == 300.0  # the worker's default --idle-timeout
+
+
 def msgspec_dict(struct) -> dict:
 
     return {f: getattr(struct, f) for f in struct.__struct_fields__}

@@ -182,6 +182,7 @@ class SessionLifecycle:
             hop_index=o.hop_index,
             position=position,
             snapshot=snapshot,
+            idle_timeout_s=self.idle_timeout_s,
         )
 
     async def close(self, session_id: str, failed: bool = False, keep: list[str] | None = None) -> int:
