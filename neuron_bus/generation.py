@@ -27,7 +27,7 @@ import numpy as np
 from neuron_bus import codec, session_events
 from neuron_bus import messages as M
 from neuron_bus import subjects as S
-from neuron_bus.errors import RouteError
+from neuron_bus.errors import MalformedMessage, RouteError
 from neuron_bus.flow import publish
 from neuron_bus.ping import ping
 from neuron_bus.prefix import block_hashes
@@ -55,6 +55,13 @@ RETRYABLE = {
     Reason.UNKNOWN_SESSION,
 }
 LIVENESS_CHECK_S = 0.5
+
+
+def says_stuck(heartbeat: bytes) -> bool:
+    try:
+        return M.decode(heartbeat, M.NodeHeartbeat).status == "stuck"
+    except MalformedMessage:
+        return False
 
 
 def retryable(exc: RouteError) -> bool:
@@ -339,14 +346,19 @@ class GenerationRun:
             self.on_route(self.live_route)
 
     async def _watch_nodes(self, nodes: list[str]) -> asyncio.Task:
-        """Follow the route nodes' heartbeats; queue ("lost", node) when one falls silent."""
+        """Follow the route nodes' heartbeats; queue ("lost", (node, why)) when one falls silent,
+        or says its backend is stuck (a call far overdue: worker/runner.py), once per node."""
         seen = {node: time.monotonic() for node in nodes}
         beats = self.last_beats = {}
+        stuck: set[str] = set()
 
         def beat(node: str):
             async def cb(msg) -> None:
                 seen[node] = time.monotonic()
                 beats[node] = msg.data
+                if node not in stuck and says_stuck(msg.data):
+                    stuck.add(node)
+                    self.queue.put_nowait(("lost", (node, "says its backend is stuck (a call far past its time)")))
 
             return cb
 
@@ -359,7 +371,7 @@ class GenerationRun:
                 now = time.monotonic()
                 for node, at in seen.items():
                     if now - at > heartbeat_loss_s(self.rtt.get(node)):
-                        self.queue.put_nowait(("lost", (node, now - at)))
+                        self.queue.put_nowait(("lost", (node, f"sent no heartbeat for {now - at:.1f}s")))
                         return
 
         return asyncio.create_task(watch())
@@ -409,10 +421,8 @@ class GenerationRun:
                 await self._catch_up()
                 continue
             if kind == "lost":
-                node, silent = data
-                raise RouteError(
-                    Reason.NODE_LOST, f"node {node} sent no heartbeat for {silent:.1f}s", phase=last_phase, node_id=node
-                )
+                node, why = data
+                raise RouteError(Reason.NODE_LOST, f"node {node} {why}", phase=last_phase, node_id=node)
             event = session_events.read(kind, data, last_phase)
             if event is None or (isinstance(event, M.TokenDelta) and not self._next_token(event)):
                 continue  # a rejected stray message, a token already delivered, or not this session's

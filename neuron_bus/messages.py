@@ -164,6 +164,11 @@ class CapabilityReport(BackendCapability, kw_only=True):
         )
 
 
+# starting; ready; draining: moving to other layers (no new sessions); stuck: a backend call far
+# past what its positions take (worker/runner.py), so its sessions' clients move them elsewhere
+NodeStatus = Literal["starting", "ready", "draining", "stuck"]
+
+
 class NodeHeartbeat(Struct):
     """Periodic worker telemetry; the tracker expires nodes whose heartbeats stop."""
 
@@ -180,7 +185,7 @@ class NodeHeartbeat(Struct):
     memory_pressure: float = 0.0
     neighbour_latency_ms: dict[str, float] = {}
     route_failure_rate: float = 0.0
-    status: Literal["starting", "ready", "draining"] = "ready"
+    status: NodeStatus = "ready"
     # the node's own round trip to its NATS server (least of its last few PINGs), if it measured
     # one: the tracker plans on it while its pings agree (registry._round_trip)
     server_rtt_ms: float | None = None

@@ -42,8 +42,8 @@ def busy_nodes(beats: Mapping[str, bytes]) -> list[str]:
     """The nodes whose last heartbeat (``beats``: node -> encoded NodeHeartbeat) counts sessions
     besides this one, or queued work. With this session alone, queued work is its own: a hop slow
     enough to take longer than STALL_TIMEOUT_S over a prompt chunk is still working through it
-    (the tail reports progress once a chunk has passed every hop). A hop that hangs on it looks
-    the same in its heartbeats, and is given up on only at timing.BUSY_WAIT_S."""
+    (the tail reports progress once a chunk has passed every hop). A hop whose call hangs says so
+    in its heartbeats (status stuck: worker/runner.py), and the client leaves it at once."""
     busy = []
     for node, data in beats.items():
         try:

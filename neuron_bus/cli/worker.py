@@ -24,6 +24,7 @@ from neuron_bus.subjects import PUBLIC_OWNER, check_token
 from neuron_bus.topology import connect, ensure_topology, identity_of, owner_of
 from neuron_bus.trust import fault as faults
 from neuron_bus.worker.engine import slowed
+from neuron_bus.worker.runner import STUCK_AFTER_S
 from neuron_bus.worker.service import WorkerOptions, WorkerService
 from neuron_bus.worker.source import Source, auto_source, fetch_range, fetch_slice, local_source, parse_size
 
@@ -192,7 +193,16 @@ def worker(
     max_decode_batch: int = typer.Option(8, help="Decode steps of different sessions run together."),
     slow_ms: float = typer.Option(0.0, hidden=True, help="Fault injection: delay every backend call."),
     fault: str | None = typer.Option(
-        None, hidden=True, help="Fault injection: perturb (noisy outputs), inflate-ledger (claims twice its work)."
+        None,
+        hidden=True,
+        help="Fault injection: perturb (noisy outputs), inflate-ledger (claims twice its work), hang (calls "
+        "never return).",
+    ),
+    stuck_after: float = typer.Option(
+        STUCK_AFTER_S,
+        min=0.1,
+        help="A backend call running this long, and 20 times what its positions take at the measured speed, "
+        "marks the node stuck: no new routes, and its sessions' clients move them elsewhere.",
     ),
     dtype: str = typer.Option("float32", help="torch backend compute dtype: float32 | bfloat16."),
     n_ctx: int = typer.Option(DEFAULT_N_CTX, help="llama-cpp: positions per session (prompt + generated)."),
@@ -246,7 +256,7 @@ def worker(
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
     options = WorkerOptions(
-        idle_timeout=idle_timeout, max_decode_batch=max_decode_batch, slow_ms=slow_ms, snapshot_every=snapshot_every,
+        idle_timeout=idle_timeout, stuck_after=stuck_after, max_decode_batch=max_decode_batch, slow_ms=slow_ms, snapshot_every=snapshot_every,
         snapshot_url=snapshot_nats, owned_layer_work=loaded[3], fault=fault,
         require_keys={"required": True, "optional": False}.get(session_keys),
         adaptive_drafts=draft_policy == "adaptive", prefix_cache_bytes=prefix_bytes,

@@ -60,7 +60,7 @@ class EngineOptions:
     max_body: int = codec.DEFAULT_MAX_BODY
     slow_ms: float = 0.0  # add this much delay per backend call (fault injection for tests)
     snapshot_every: int = 0  # a snapshot is due whenever a decoding session crosses a multiple of this
-    fault: str | None = None  # fault injection for audit tests: "perturb" (trust/fault.py)
+    fault: str | None = None  # fault injection for tests: "perturb", "hang" (trust/fault.py)
     require_keys: bool = False  # refuse sessions opened without link keys (a worker with a credential does)
     adaptive_drafts: bool = True  # speculative sessions: send the drafts that pay (False: every draft found)
 
@@ -262,6 +262,7 @@ class HopEngine:
     def _call(self, steps: list[Step], phase: str) -> list[np.ndarray | Exception]:
         if self.opts.slow_ms:
             time.sleep(self.opts.slow_ms / 1000.0)
+        faults.before_call(self.opts.fault)
         b = self.backend
         t0 = time.perf_counter()
         batch = [(st.session.session_id, st.header.position, st.x) for st in steps]

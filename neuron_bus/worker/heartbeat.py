@@ -4,7 +4,8 @@ Every interval, and sooner when a session opened or closed (``next_beat``; no so
 ``HEARTBEAT_SOON_S`` after the last beat): the tracker routes on the load it last heard of, and a
 node whose session ended would otherwise look busy until its next beat.
 
-Its range and cache ABI, load (sessions, queued messages), measured throughput (runner.py:
+Its range and cache ABI, status (ready, draining, or stuck: a backend call far overdue, see
+runner.py), load (sessions, queued messages), measured throughput (runner.py:
 positions per busy second over the last 30 s of real work, or the self-benchmark before there
 is any), memory pressure, route failure rate, the latency to its neighbours on its routes and its
 round trip to its server (node_telemetry.py; the pings run beside the heartbeats, never in their
@@ -31,6 +32,7 @@ from neuron_bus import subjects as S
 from neuron_bus.tasks import Background
 from neuron_bus.timing import HEARTBEAT_INTERVAL_S, HEARTBEAT_SOON_S
 from neuron_bus.worker.node_telemetry import neighbours
+from neuron_bus.worker.runner import STUCK_AFTER_S
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,11 @@ PROBE_EVERY_S = HEARTBEAT_INTERVAL_S / 2  # a beat starts a round of pings no so
 
 
 class Heartbeat:
-    def __init__(self, nc, report: M.CapabilityReport, engine, runner, node_telemetry):
+    def __init__(
+        self, nc, report: M.CapabilityReport, engine, runner, node_telemetry, stuck_after_s: float = STUCK_AFTER_S
+    ):
         self.nc = nc
+        self.stuck_after_s = stuck_after_s  # runner.stuck: the backend call in progress is far overdue
         self.report = report
         self.engine = engine
         self.runner = runner
@@ -81,9 +86,18 @@ class Heartbeat:
             memory_pressure=psutil.virtual_memory().percent / 100.0,
             neighbour_latency_ms=dict(self.node_telemetry.latency_ms),
             route_failure_rate=self.node_telemetry.failure_rate(),
-            status="draining" if self.engine.draining else "ready",
+            status=self.status(),
             server_rtt_ms=self.node_telemetry.server_rtt_ms,
         )
+
+    def status(self) -> M.NodeStatus:
+        """draining (moving to other layers), stuck (a backend call far overdue: runner.stuck; ready
+        again once it returns), or ready."""
+        if self.engine.draining:
+            return "draining"
+        r = self.report
+        benchmark = {"prefill": r.prefill_tokens_per_second, "decode": r.decode_tokens_per_second}
+        return "stuck" if self.runner.stuck(time.monotonic(), benchmark, self.stuck_after_s) else "ready"
 
     async def send(self, queue_depth: int) -> None:
         now = self.sent_at = time.monotonic()

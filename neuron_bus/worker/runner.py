@@ -8,7 +8,8 @@ decode calls inline up to INLINE_ALONE_S: the hand-off to the thread and back (0
 hop, scripts/token_profile) is then the largest cost of a hop after the call, and there is no
 other session's work for the event loop to overlap with the call. The runner also measures what
 compute costs: busy seconds per phase (Prometheus) and a 30 s window of real work from which
-heartbeats report measured throughput.
+heartbeats report measured throughput; and it tells a call that runs far past what its positions
+should take (``stuck``: a deadlocked or swapping backend) from one that is merely slow.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ INLINE_STEP_S = 0.0005  # decode calls quicker than this run on the event loop
 INLINE_ALONE_S = 0.02  # ... and the decode calls of a hop's only session quicker than this
 WORK_WINDOW_S = 30.0
 MIN_POSITIONS_MEASURED = 8  # fewer positions of real work in the window: the self-benchmark stands
+STUCK_FACTOR = 20.0  # a call is stuck past this many times what its positions take at the hop's speed ...
+STUCK_AFTER_S = 60.0  # ... and past this many seconds (the default of `worker --stuck-after`)
 
 
 class BackendRunner:
@@ -32,6 +35,7 @@ class BackendRunner:
         self._decode_call_s = float("inf")  # how long the last decode call took
         self._window: deque[tuple[float, str, int, float]] = deque()  # (when, phase, positions, busy s)
         self._in_window: dict[str, list[float]] = {}  # phase -> [positions, busy s] over the window
+        self.running: tuple[float, str, int] | None = None  # the compute call in progress: (started, phase, positions)
 
     async def call(self, fn, *args):
         """Run ``fn(*args)`` on the backend thread (one at a time, in submission order)."""
@@ -48,9 +52,11 @@ class BackendRunner:
 
         def timed():
             t0 = time.monotonic()
+            self.running = (t0, phase, positions)
             try:
                 return fn()
             finally:
+                self.running = None
                 took[0] = time.monotonic() - t0  # the call alone, without any hand-off
 
         limit = INLINE_ALONE_S if alone else INLINE_STEP_S
@@ -90,6 +96,18 @@ class BackendRunner:
         if positions < MIN_POSITIONS_MEASURED or busy <= 1e-9:
             return None
         return positions / busy
+
+    def stuck(self, now: float, benchmark: dict[str, float], after_s: float = STUCK_AFTER_S) -> bool:
+        """Whether the compute call in progress has run past both ``after_s`` and STUCK_FACTOR times
+        what its positions take at this hop's measured speed (``benchmark``: phase -> positions per
+        second, the self-benchmark's, used while nothing is measured)."""
+        running = self.running
+        if running is None:
+            return False
+        started, phase, positions = running
+        tps = self.measured_tps(phase, benchmark.get(phase, 0.0))
+        expected = positions / tps if tps > 0 else 0.0
+        return now - started > max(after_s, STUCK_FACTOR * expected)
 
     def measures(self, phase: str) -> bool:
         """Whether the window holds enough real work of ``phase`` to measure (else the self-benchmark stands)."""

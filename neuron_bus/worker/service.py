@@ -28,6 +28,7 @@ from neuron_bus.prefix import PrefixCache
 from neuron_bus.tasks import cancel_and_wait
 from neuron_bus.timing import HEARTBEAT_INTERVAL_S
 from neuron_bus.topology import DEFAULT_PREFILL_WINDOW, identity_of
+from neuron_bus.trust import fault as faults
 from neuron_bus.worker.audit_trail import AuditTrail
 from neuron_bus.worker.consumers import RouteConsumers
 from neuron_bus.worker.control import ControlPlane
@@ -40,7 +41,7 @@ from neuron_bus.worker.metrics import WorkerMetrics
 from neuron_bus.worker.mover import Mover, Reload
 from neuron_bus.worker.node_telemetry import NodeTelemetry
 from neuron_bus.worker.outbox import Outbox
-from neuron_bus.worker.runner import BackendRunner
+from neuron_bus.worker.runner import STUCK_AFTER_S, BackendRunner
 from neuron_bus.worker.snapshots import SnapshotStore
 from neuron_bus.worker.waves import DecodeWaves, next_prefill
 from workers.errors import Reason
@@ -54,6 +55,7 @@ DEFAULT_PREFIX_CACHE = 512 << 20  # bytes of prompt-prefix KV a worker keeps for
 class WorkerOptions:
     heartbeat_interval: float = HEARTBEAT_INTERVAL_S
     idle_timeout: float = 300.0
+    stuck_after: float = STUCK_AFTER_S  # runner.stuck: a backend call this long overdue marks the node stuck
     max_decode_batch: int = 8
     batch_wait_ms: float = 10.0  # how long hop 0 may hold a decode step for other sessions' steps
     decode_ack_pending: int = 256
@@ -125,7 +127,7 @@ class WorkerService:
         )  # fmt: skip
         self.mover = Mover(self, reload)
         self.control = ControlPlane(self.node_id, self.lifecycle, self.runner, tokenizer, self.metrics, self.mover)
-        self.heartbeat = Heartbeat(nc, report, self.engine, self.runner, self.node_telemetry)
+        self.heartbeat = Heartbeat(nc, report, self.engine, self.runner, self.node_telemetry, self.opts.stuck_after)
         self.outbox = Outbox(
             nc, self.engine, self.runner, self.lifecycle, deliveries, self.snapshots, self.trail, self.metrics
         )
@@ -170,6 +172,7 @@ class WorkerService:
         await self.heartbeat.send(self.queue_depth)
 
     async def stop(self) -> None:
+        faults.release()  # a call held by the hang fault returns: the backend thread can finish
         await cancel_and_wait(*self._loops)
         for sub in (self._control_sub, self._move_sub):
             if sub is not None:
