@@ -2,10 +2,10 @@
 
 `GenerationRun.events()` is what `NeuronClient.generate` yields:
 
-- start: a route from the tracker (around the nodes lost or found faulty so far), the prompt tokenized by hop 0,
-  a session opened on every hop, the prompt streamed into hop 0 in chunks;
+- start: a route from the tracker (around the nodes lost or found faulty so far), the prompt
+  tokenized by hop 0, a session opened on every hop, the prompt streamed into hop 0 in chunks;
 - events: telemetry and token deltas as the route publishes them; the route nodes' heartbeats are
-  watched so a dead node ends the wait within seconds, not at the stall timeout;
+  watched so a dead or stuck node ends the wait within seconds, not at the stall timeout;
 - recovery: a failure before the first token restarts from scratch on a new route; a node lost
   during decode is replaced from a snapshot when possible (repair.py); anything else is final;
 - failure: the last phase, node and reason go to the session's telemetry, then RouteError;
@@ -58,6 +58,7 @@ LIVENESS_CHECK_S = 0.5
 
 
 def says_stuck(heartbeat: bytes) -> bool:
+    """Whether a node's heartbeat says a backend call of its is far overdue (worker/runner.py)."""
     try:
         return M.decode(heartbeat, M.NodeHeartbeat).status == "stuck"
     except MalformedMessage:

@@ -98,7 +98,10 @@ def test_a_node_that_answers_nonsense_is_routed_around_on_the_retry(smollm2_path
     """The tracker routes through the rogue first: a bad reply naming it, at the head's tokenization
     (before the generation) or at the session's open (in it). The retry asks for a route around it
     and is served by the workers, and the route reported is the one the tokens came from."""
-    swarm = LocalSwarm(smollm2_path, 2, backend="noop", workdir=tmp_path, gateway_port=free_port())
+    # the workers 20 ms a call (and saying so): the rogue, one hop at ten times their speed, is the
+    # cheapest route by far, whatever the seams' measured latencies
+    slow = {i: ["--slow-ms", "20"] for i in range(2)}
+    swarm = LocalSwarm(smollm2_path, 2, backend="noop", workdir=tmp_path, gateway_port=free_port(), worker_extra=slow)
     workers = ["worker-0", "worker-1"]
 
     async def run():

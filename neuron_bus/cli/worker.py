@@ -256,8 +256,8 @@ def worker(
     except (ArtifactError, models.UnknownModel, ValueError, BackendError) as exc:
         fail(str(exc))
     options = WorkerOptions(
-        idle_timeout=idle_timeout, stuck_after=stuck_after, max_decode_batch=max_decode_batch, slow_ms=slow_ms, snapshot_every=snapshot_every,
-        snapshot_url=snapshot_nats, owned_layer_work=loaded[3], fault=fault,
+        idle_timeout=idle_timeout, stuck_after=stuck_after, max_decode_batch=max_decode_batch, slow_ms=slow_ms,
+        snapshot_every=snapshot_every, snapshot_url=snapshot_nats, owned_layer_work=loaded[3], fault=fault,
         require_keys={"required": True, "optional": False}.get(session_keys),
         adaptive_drafts=draft_policy == "adaptive", prefix_cache_bytes=prefix_bytes,
     )  # fmt: skip
