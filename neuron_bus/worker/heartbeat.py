@@ -72,6 +72,10 @@ class Heartbeat:
     def build(self, queue_depth: int) -> M.NodeHeartbeat:
         self.seq += 1
         r, sessions = self.report, len(self.engine.sessions)
+        speed = {  # positions per second: measured over real work, else the self-benchmark's
+            "prefill": self.runner.measured_tps("prefill", r.prefill_tokens_per_second),
+            "decode": self.runner.measured_tps("decode", r.decode_tokens_per_second),
+        }
         return M.NodeHeartbeat(
             node_id=r.node_id,
             seq=self.seq,
@@ -81,23 +85,21 @@ class Heartbeat:
             cache_abi=r.cache_abi,
             sessions_active=sessions,
             queue_depth=queue_depth,
-            prefill_tokens_per_second=self.runner.measured_tps("prefill", r.prefill_tokens_per_second),
-            decode_tokens_per_second=self.runner.measured_tps("decode", r.decode_tokens_per_second),
+            prefill_tokens_per_second=speed["prefill"],
+            decode_tokens_per_second=speed["decode"],
             memory_pressure=psutil.virtual_memory().percent / 100.0,
             neighbour_latency_ms=dict(self.node_telemetry.latency_ms),
             route_failure_rate=self.node_telemetry.failure_rate(),
-            status=self.status(),
+            status=self.status(speed),
             server_rtt_ms=self.node_telemetry.server_rtt_ms,
         )
 
-    def status(self) -> M.NodeStatus:
-        """draining (moving to other layers), stuck (a backend call far overdue: runner.stuck; ready
-        again once it returns), or ready."""
+    def status(self, speed: dict[str, float]) -> M.NodeStatus:
+        """draining (moving to other layers), stuck (a backend call far overdue at this ``speed``:
+        runner.stuck; ready again once it returns), or ready."""
         if self.engine.draining:
             return "draining"
-        r = self.report
-        benchmark = {"prefill": r.prefill_tokens_per_second, "decode": r.decode_tokens_per_second}
-        return "stuck" if self.runner.stuck(time.monotonic(), benchmark, self.stuck_after_s) else "ready"
+        return "stuck" if self.runner.stuck(time.monotonic(), speed, self.stuck_after_s) else "ready"
 
     async def send(self, queue_depth: int) -> None:
         now = self.sent_at = time.monotonic()

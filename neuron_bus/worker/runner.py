@@ -97,15 +97,14 @@ class BackendRunner:
             return None
         return positions / busy
 
-    def stuck(self, now: float, benchmark: dict[str, float], after_s: float = STUCK_AFTER_S) -> bool:
+    def stuck(self, now: float, speed: dict[str, float], after_s: float = STUCK_AFTER_S) -> bool:
         """Whether the compute call in progress has run past both ``after_s`` and STUCK_FACTOR times
-        what its positions take at this hop's measured speed (``benchmark``: phase -> positions per
-        second, the self-benchmark's, used while nothing is measured)."""
+        what its positions take at the hop's ``speed`` (phase -> positions per second: measured_tps)."""
         running = self.running
         if running is None:
             return False
         started, phase, positions = running
-        tps = self.measured_tps(phase, benchmark.get(phase, 0.0))
+        tps = speed.get(phase, 0.0)
         expected = positions / tps if tps > 0 else 0.0
         return now - started > max(after_s, STUCK_FACTOR * expected)
 
