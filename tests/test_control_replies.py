@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import aiohttp
 import msgspec
@@ -16,7 +15,7 @@ from neuron_bus import subjects as S
 from neuron_bus.client import NeuronClient, RouteError
 from neuron_bus.local_swarm import LocalSwarm
 from neuron_bus.natsserver import free_port
-from tests.test_tracker import Node
+from tests.test_tracker import Node, eventually
 from workers.errors import Reason
 
 pytestmark = pytest.mark.timeout(60)
@@ -110,10 +109,11 @@ def test_a_node_that_answers_nonsense_is_routed_around_on_the_retry(smollm2_path
             caps = M.decode((await kv.get("worker-0")).value, M.CapabilityReport)
             rogue = await Rogue(c.nc, caps, tokenizes=fails_at == "SessionOpen").start()
             try:
-                deadline = time.monotonic() + 30
-                while "rogue" not in (await c.coverage(swarm.preset)).models[0].layers[0].replicas:
-                    assert time.monotonic() < deadline, "the tracker never listed the rogue node"
-                    await asyncio.sleep(0.2)
+
+                async def listed() -> bool:
+                    return "rogue" in (await c.coverage(swarm.preset)).models[0].layers[0].replicas
+
+                await eventually(listed, timeout=30, every=0.2)  # the tracker knows the rogue node
                 sampling = M.SamplingParams(max_tokens=5, ignore_eos=True)
                 result = await c.complete("Hello", sampling=sampling)
                 tried = list(rogue.botched)
