@@ -5,6 +5,9 @@ client moves its session elsewhere at once instead of waiting out the busy hop's
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import threading
 import time
 
 import pytest
@@ -12,7 +15,9 @@ import pytest
 from neuron_bus import messages as M
 from neuron_bus.client import NeuronClient
 from neuron_bus.local_swarm import LocalSwarm, WorkerSpec
+from neuron_bus.tasks import cancel_and_wait
 from neuron_bus.worker.runner import STUCK_FACTOR, BackendRunner
+from neuron_bus.worker.service import STOP_BACKEND_GRACE_S
 from tests.test_reliability import node_alive
 
 pytestmark = pytest.mark.timeout(300)
@@ -37,6 +42,32 @@ def test_a_call_is_stuck_only_past_both_the_floor_and_many_times_its_expected_ti
         runner.close()
 
 
+def test_closing_the_runner_leaves_a_call_that_never_returns_and_drops_those_not_started():
+    runner = BackendRunner("n", NoMetrics())
+    started, release = threading.Event(), threading.Event()
+
+    def blocked() -> str:
+        started.set()
+        release.wait()
+        return "returned"
+
+    async def scenario():
+        call = asyncio.ensure_future(runner.call(blocked))
+        assert await asyncio.to_thread(started.wait, 5)
+        queued = asyncio.ensure_future(runner.call(lambda: "ran"))
+        await asyncio.sleep(0.05)
+        assert "in a call for" in runner.in_call()
+        assert runner.close() is False  # at once: the call in progress is not waited for
+        release.set()
+        assert await call == "returned"
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert runner.in_call() == "idle"
+
+    asyncio.run(scenario())
+    assert BackendRunner("idle", NoMetrics()).close() is True
+
+
 async def _route_through(c: NeuronClient, node: str) -> M.RouteAssignment:
     for _ in range(20):  # the tracker spreads routes over the replicas
         route = await c.route("smollm2-135m")
@@ -46,14 +77,18 @@ async def _route_through(c: NeuronClient, node: str) -> M.RouteAssignment:
 
 
 @pytest.mark.slow
-def test_a_stuck_hop_is_left_for_a_new_route_and_gets_none(smollm2_path, tmp_path, reference):
+def test_a_stuck_hop_is_left_for_a_new_route_gets_none_and_stops_without_its_backend(smollm2_path, tmp_path, reference):
+    """Hanging replicas: a session moves off one, equal to the reference, and no later route goes
+    through it. A stuck worker told to stop exits (status 1) without waiting for its backend, which
+    never returns: at once when its sessions are closed, after its grace for the backend when a
+    session's client vanished, and at a second signal during that grace."""
     swarm = LocalSwarm(smollm2_path, workdir=tmp_path, ranges=[(0, 15), (15, 30)])
     ids = reference.tokenizer.encode("The three primary colors are")
     n = 8
 
-    async def scenario():
+    async def moved_off(stuck: str):
         async with await NeuronClient.connect(swarm.url) as c:
-            route = await _route_through(c, "stuck-1")
+            route = await _route_through(c, stuck)
             routes: list[M.RouteAssignment] = []
             out = [
                 ev.token_id
@@ -67,14 +102,47 @@ def test_a_stuck_hop_is_left_for_a_new_route_and_gets_none(smollm2_path, tmp_pat
             ]
             nodes = {v.node_id: v for v in (await c.coverage("smollm2-135m")).nodes}
             later = [await c.route("smollm2-135m") for _ in range(4)]
-            return out, routes, nodes, later
+        assert [[h.node_id for h in r.hops] for r in routes] == [["worker-0", stuck], ["worker-0", "worker-1"]]
+        assert out == reference(ids, n)
+        assert nodes[stuck].alive and nodes[stuck].status == "stuck"  # heartbeating, and saying so
+        assert all(stuck not in {h.node_id for h in r.hops} for r in later)
+
+    async def abandoned(stuck: str):
+        """A session through ``stuck`` whose client vanishes while its prefill hangs (before the
+        node is stuck: 2 s), never closing it."""
+        c = await NeuronClient.connect(swarm.url)
+        route = await _route_through(c, stuck)
+        run = asyncio.ensure_future(c.generate(prompt_tokens=ids, route=route).__anext__())
+        await asyncio.sleep(1.0)
+        await c.nc.close()
+        await cancel_and_wait(run)
+
+    def hanging(node_id: str, scenario) -> subprocess.Popen:
+        swarm.workers.append(spec := WorkerSpec((15, 30), node_id, ["--fault", "hang", "--stuck-after", "2"]))
+        proc = swarm.start_worker(spec)
+        asyncio.run(node_alive(swarm.url, node_id))
+        asyncio.run(scenario(node_id))
+        return proc
 
     with swarm:
-        swarm.workers.append(spec := WorkerSpec((15, 30), "stuck-1", ["--fault", "hang", "--stuck-after", "2"]))
-        swarm.start_worker(spec)
-        asyncio.run(node_alive(swarm.url, "stuck-1"))
-        out, routes, nodes, later = asyncio.run(scenario())
-    assert [[h.node_id for h in r.hops] for r in routes] == [["worker-0", "stuck-1"], ["worker-0", "worker-1"]]
-    assert out == reference(ids, n)
-    assert nodes["stuck-1"].alive and nodes["stuck-1"].status == "stuck"  # heartbeating, and saying so
-    assert all("stuck-1" not in {h.node_id for h in r.hops} for r in later)
+        proc = hanging("stuck-1", moved_off)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(5) == 1  # its session was closed: nothing to wait for, and not joined to the backend
+        assert "its backend is in a call for" in swarm.log_tail("stuck-1")
+
+        proc = hanging("stuck-2", abandoned)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(STOP_BACKEND_GRACE_S + 10) == 1
+        assert STOP_BACKEND_GRACE_S - 1 < time.monotonic() - t0  # the grace for the session's close
+        assert "did not free the sessions within" in swarm.log_tail("stuck-2")
+
+        proc = hanging("stuck-3", abandoned)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None  # waiting for the backend to free the session
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(5) == 1
+        assert time.monotonic() - t0 < STOP_BACKEND_GRACE_S - 1
+        assert "a second signal while stopping" in swarm.log_tail("stuck-3")

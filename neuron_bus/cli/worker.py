@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -159,7 +161,7 @@ async def serve(url: str, node: Node, loaded, options: WorkerOptions, metrics_po
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, _stop_then_exit, stop, report.node_id)
     await service.start()
     print(
         f"worker {report.node_id} ready: layers {report.layer_start}-{report.layer_end - 1} of "
@@ -167,9 +169,27 @@ async def serve(url: str, node: Node, loaded, options: WorkerOptions, metrics_po
         flush=True,
     )
     await stop.wait()
-    await service.stop()
-    service.engine.backend.close()  # the one it serves now (a move closed the ones before)
+    ended = await service.stop()
+    if ended:
+        service.engine.backend.close()  # the one it serves now (a move closed the ones before)
     await nc.close()
+    if not ended:  # the interpreter's exit would wait for the backend thread, for good
+        _exit_now(f"worker {report.node_id} stopped; its backend is {service.runner.in_call()} and is left "
+                  "to the process's exit", 1)  # fmt: skip
+
+
+def _stop_then_exit(stop: asyncio.Event, node_id: str) -> None:
+    """SIGINT/SIGTERM: the first stops the worker cleanly; a second, while it stops, exits at once."""
+    if stop.is_set():
+        _exit_now(f"worker {node_id}: a second signal while stopping; exiting without finishing the stop", 1)
+    stop.set()
+
+
+def _exit_now(message: str, code: int) -> None:
+    print(message, file=sys.stderr, flush=True)
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(code)
 
 
 @app.command()

@@ -7,8 +7,9 @@ route's output drifts away from the model's.
 ``inflate-ledger`` computes honestly but reports twice the positions it computed in its ledger
 entries (the meter pays it what the swarm observed and flags the claim: trust/meter.py).
 
-``hang``: a backend call on real work never returns (until the worker stops), as a deadlocked
-or swapping backend's would; the node's heartbeats and control requests go on as before.
+``hang``: a backend call on real work never returns, as a deadlocked backend's would; the node's
+heartbeats and control requests go on as before, and only the process's exit ends the call (the
+worker's stop must not wait for it: cli/worker.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 FAULTS = ("perturb", "inflate-ledger", "hang")
 INFLATE = 2  # inflate-ledger: the factor on the positions a node claims
-_released = threading.Event()  # hang: set when the worker stops
+_never = threading.Event()  # hang: waited on, never set
 
 
 def check(fault: str | None) -> str | None:
@@ -29,14 +30,9 @@ def check(fault: str | None) -> str | None:
 
 
 def before_call(fault: str | None) -> None:
-    """Backend thread, before a call on real work: ``hang`` waits here until ``release``."""
+    """Backend thread, before a call on real work: ``hang`` waits here for good."""
     if fault == "hang":
-        _released.wait()
-
-
-def release() -> None:
-    """The worker stops: a hung call returns (and the backend thread with it)."""
-    _released.set()
+        _never.wait()
 
 
 def apply(fault: str | None, out: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -36,14 +36,27 @@ class BackendRunner:
         self._window: deque[tuple[float, str, int, float]] = deque()  # (when, phase, positions, busy s)
         self._in_window: dict[str, list[float]] = {}  # phase -> [positions, busy s] over the window
         self.running: tuple[float, str, int] | None = None  # the compute call in progress: (started, phase, positions)
+        self._calling_since: float | None = None  # when the backend thread's call in progress started
 
     async def call(self, fn, *args):
         """Run ``fn(*args)`` on the backend thread (one at a time, in submission order)."""
         self._queued += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._in_thread, fn, args)
         finally:
             self._queued -= 1
+
+    def _in_thread(self, fn, args):
+        self._calling_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self._calling_since = None
+
+    def in_call(self) -> str:
+        """What the backend thread does now, in words (for a log line)."""
+        since = self._calling_since
+        return "idle" if since is None else f"in a call for {time.monotonic() - since:.1f} s"
 
     async def compute(self, fn, phase: str, positions: int, alone: bool = False):
         """Run one compute call ``fn()`` of ``positions`` positions, inline when it is quick enough
@@ -112,5 +125,9 @@ class BackendRunner:
         """Whether the window holds enough real work of ``phase`` to measure (else the self-benchmark stands)."""
         return self._measured_tps(phase) is not None
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    def close(self) -> bool:
+        """Stop the backend thread, dropping the calls not started; returns whether it ended. False:
+        a call still runs in it (a stuck backend), and nothing but the process's exit ends that."""
+        ended = self._calling_since is None
+        self._pool.shutdown(wait=ended, cancel_futures=True)
+        return ended

@@ -28,7 +28,6 @@ from neuron_bus.prefix import PrefixCache
 from neuron_bus.tasks import cancel_and_wait
 from neuron_bus.timing import HEARTBEAT_INTERVAL_S
 from neuron_bus.topology import DEFAULT_PREFILL_WINDOW, identity_of
-from neuron_bus.trust import fault as faults
 from neuron_bus.worker.audit_trail import AuditTrail
 from neuron_bus.worker.consumers import RouteConsumers
 from neuron_bus.worker.control import ControlPlane
@@ -49,6 +48,7 @@ from workers.errors import Reason
 log = logging.getLogger("neuron_bus.worker")
 
 DEFAULT_PREFIX_CACHE = 512 << 20  # bytes of prompt-prefix KV a worker keeps for sessions to come
+STOP_BACKEND_GRACE_S = 10.0  # a stopping worker waits this long for the backend to free its sessions
 
 
 @dataclass
@@ -171,21 +171,30 @@ class WorkerService:
         ]
         await self.heartbeat.send(self.queue_depth)
 
-    async def stop(self) -> None:
-        faults.release()  # a call held by the hang fault returns: the backend thread can finish
+    async def stop(self, backend_grace_s: float = STOP_BACKEND_GRACE_S) -> bool:
+        """Stop serving: the bus first, then the sessions' caches, freed on the backend thread within
+        ``backend_grace_s`` (a stuck call would hold them for good). Returns whether the backend
+        thread ended; False: a call still runs in it, which only the process's exit ends."""
         await cancel_and_wait(*self._loops)
         for sub in (self._control_sub, self._move_sub):
             if sub is not None:
                 await sub.unsubscribe()
         await self.control.stop()
         await self.consumers.unbind_all()
-        for s in list(self.sessions):
-            await self.lifecycle.close(s.session_id)
+        try:
+            await asyncio.wait_for(self._close_sessions(), backend_grace_s)
+        except TimeoutError:
+            log.warning("%s: the backend did not free the sessions within %g s (%s)", self.engine.node_id,
+                        backend_grace_s, self.runner.in_call())  # fmt: skip
         await self.snapshots.stop()
         await self.heartbeat.stop()
         await self.mover.stop()
         await self.outbox.stop()
-        self.runner.close()
+        return self.runner.close()
+
+    async def _close_sessions(self) -> None:
+        for s in list(self.sessions):
+            await self.lifecycle.close(s.session_id)
 
     @property
     def queue_depth(self) -> int:
