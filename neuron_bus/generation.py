@@ -50,6 +50,7 @@ RETRYABLE = {
     Reason.NODE_UNREACHABLE,
     Reason.PREFILL_FAILED,
     Reason.STALLED,
+    Reason.STUCK,  # the node's backend is stuck in a call (the tracker routes around it within a heartbeat)
     Reason.BACKEND_ERROR,
     Reason.ROUTE_FAILED,
     Reason.UNKNOWN_SESSION,

@@ -14,11 +14,13 @@ import pytest
 
 from neuron_bus import messages as M
 from neuron_bus.client import NeuronClient
+from neuron_bus.errors import RouteError
 from neuron_bus.local_swarm import LocalSwarm, WorkerSpec
 from neuron_bus.tasks import cancel_and_wait
 from neuron_bus.worker.runner import STUCK_FACTOR, BackendRunner
 from neuron_bus.worker.service import STOP_BACKEND_GRACE_S
 from tests.test_reliability import node_alive
+from workers.errors import Reason
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -102,6 +104,13 @@ def test_a_stuck_hop_is_left_for_a_new_route_gets_none_and_stops_without_its_bac
             ]
             nodes = {v.node_id: v for v in (await c.coverage("smollm2-135m")).nodes}
             later = [await c.route("smollm2-135m") for _ in range(4)]
+            # a route assigned before the node was stuck: its open is refused at once, not queued
+            # behind the stuck call until the client gives up on it
+            with pytest.raises(RouteError) as refused:
+                await c.control(
+                    stuck, M.SessionOpen(session_id="late", route=route, hop_index=1, prompt_tokens=4, n_ctx=256)
+                )
+        assert refused.value.reason == Reason.STUCK and refused.value.node_id == stuck, refused.value
         assert [[h.node_id for h in r.hops] for r in routes] == [["worker-0", stuck], ["worker-0", "worker-1"]]
         assert out == reference(ids, n)
         assert nodes[stuck].alive and nodes[stuck].status == "stuck"  # heartbeating, and saying so

@@ -89,6 +89,7 @@ class Reason(StrEnum):
     SESSION_GONE = "session_gone"
     SIZE_MISMATCH = "size_mismatch"
     STALLED = "stalled"
+    STUCK = "stuck"  # a node whose backend call is far overdue (neuron_bus/worker/runner.py)
     SWARM_FAILED = "swarm_failed"
     SWARM_NOT_READY = "swarm_not_ready"
     TOO_SMALL = "too_small"

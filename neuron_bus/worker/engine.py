@@ -203,6 +203,7 @@ class HopEngine:
         self.opts = options or EngineOptions()
         self.sessions = SessionTable()
         self.draining = False  # moving to other layers: no new sessions (mover.py)
+        self.stuck = False  # a backend call far overdue, as of the last heartbeat: no new sessions
         self._fault_rng = np.random.default_rng()
 
     # ------------------------------------------------------------------ admission
@@ -370,6 +371,8 @@ class HopEngine:
         S.check_token(req.session_id, "session id")
         if self.draining:
             raise NeuronBusError(Reason.DRAINING, f"{self.node_id} is moving to other layers and takes no new sessions")
+        if self.stuck:  # the session's calls would queue behind the stuck one
+            raise NeuronBusError(Reason.STUCK, f"{self.node_id}'s backend is stuck in a call and takes no new sessions")
         route = req.route
         if why := M.protocol_mismatch(self.node_id, f"route {route.route_id} was assigned under", route.protocol):
             raise NeuronBusError(Reason.PROTOCOL, why)

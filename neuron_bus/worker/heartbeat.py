@@ -96,10 +96,13 @@ class Heartbeat:
 
     def status(self, speed: dict[str, float]) -> M.NodeStatus:
         """draining (moving to other layers), stuck (a backend call far overdue at this ``speed``:
-        runner.stuck; ready again once it returns), or ready."""
-        if self.engine.draining:
+        runner.stuck; ready again once it returns), or ready. The engine learns whether it is stuck
+        here too: it refuses session opens until the next beat finds it not."""
+        e = self.engine
+        e.stuck = self.runner.stuck(time.monotonic(), speed, self.stuck_after_s)
+        if e.draining:
             return "draining"
-        return "stuck" if self.runner.stuck(time.monotonic(), speed, self.stuck_after_s) else "ready"
+        return "stuck" if e.stuck else "ready"
 
     async def send(self, queue_depth: int) -> None:
         now = self.sent_at = time.monotonic()
