@@ -26,6 +26,7 @@ from neuron_bus.admission import Admission
 from neuron_bus.errors import MalformedMessage, RouteError
 from neuron_bus.generation import PREFILL_RETRIES, GenerationRun, retryable
 from neuron_bus.models import DEFAULT_PRESET
+from neuron_bus.suspects import Suspects
 from neuron_bus.timing import AVOID_LOST_S
 from neuron_bus.topology import connect, owner_of
 from workers.errors import Reason
@@ -85,6 +86,7 @@ class NeuronClient:
         self.authenticate = authenticate or encrypt_activations
         self.encrypt_activations = encrypt_activations
         self.tracker_wait = tracker_wait
+        self.suspects = Suspects()  # nodes that answered nonsense: routed around for a while
 
     @classmethod
     async def connect(
@@ -147,11 +149,16 @@ class NeuronClient:
         msg = await self.ask(
             S.node_control(node_id), req, timeout, f"node {node_id} did not answer", Reason.NODE_UNREACHABLE, node_id
         )
-        reply = self.reply(msg, M.ControlReply, f"node {node_id}", node_id)
+        try:
+            reply = self.reply(msg, M.ControlReply, f"node {node_id}", node_id)
+        except RouteError:
+            self.suspects.add(node_id)
+            raise
         if isinstance(reply, M.ControlError):
             raise RouteError(Reason.of(reply.code), f"{node_id}: {reply.message}", node_id=node_id)
         answer = M.CONTROL_ANSWERS[type(req)]
         if not isinstance(reply, answer):
+            self.suspects.add(node_id)
             raise RouteError(
                 Reason.BAD_REPLY,
                 f"node {node_id} answered {type(req).__name__} with {type(reply).__name__}, not {answer.__name__}",
@@ -255,13 +262,14 @@ class NeuronClient:
         avoid: set[str] | frozenset[str] = frozenset(),
         **pins,
     ) -> M.RouteAssignment:
-        """A route from the tracker, which plans around the nodes in ``avoid`` while others cover
-        their layers. One through a node in ``avoid`` (nothing else covers its layers, and a lost
-        node may still be listed for a few seconds) is asked again until the tracker has expired
-        them, then taken (a lost node that came back)."""
+        """A route from the tracker, which plans around the nodes in ``avoid`` and this client's
+        suspects (suspects.py) while others cover their layers. One through a node in ``avoid``
+        (nothing else covers its layers, and a lost node may still be listed for a few seconds) is
+        asked again until the tracker has expired them, then taken (a lost node that came back)."""
         deadline = time.monotonic() + AVOID_LOST_S
         while True:
-            route = await self._route(model_preset, wire_dtype, encoding, avoid=sorted(avoid), **pins)
+            around = sorted(avoid | self.suspects.current())
+            route = await self._route(model_preset, wire_dtype, encoding, avoid=around, **pins)
             if not avoid & {h.node_id for h in route.hops} or time.monotonic() > deadline:
                 return route
             await asyncio.sleep(0.5)
