@@ -56,10 +56,15 @@ def repaired_route(route: M.RouteAssignment, hop_index: int, node: M.TrackedNode
 
 
 def pick_replacement(
-    report: M.CoverageReport, route: M.RouteAssignment, hop: M.RouteHop, exclude: set[str]
+    report: M.CoverageReport,
+    route: M.RouteAssignment,
+    hop: M.RouteHop,
+    exclude: set[str],
+    suspects: set[str] | frozenset[str] = frozenset(),
 ) -> M.TrackedNode | None:
     """A live node of the same model revision, backend, cache ABI and exact layer range, that the
-    route's policy admits (trusted tiers unless public) and that audits have not flagged."""
+    route's policy admits (trusted tiers unless public) and that audits have not flagged; one of
+    the client's ``suspects`` (suspects.py) only when no other qualifies."""
     groups = [
         m
         for m in report.models
@@ -80,7 +85,9 @@ def pick_replacement(
     ]
     if not candidates:
         return None
-    return min(candidates, key=lambda n: (n.slow, n.sessions_active + n.recently_assigned, n.node_id))
+    return min(
+        candidates, key=lambda n: (n.node_id in suspects, n.slow, n.sessions_active + n.recently_assigned, n.node_id)
+    )
 
 
 def rollback_problem(reports: dict[str, M.CapabilityReport], route: M.RouteAssignment, dead_index: int) -> str | None:
@@ -185,7 +192,7 @@ async def replacement(client, route: M.RouteAssignment, index: int, exclude: set
         raise RouteError(
             Reason.NO_TRACKER, f"no coverage map for a replacement of {dead}: {exc}", "decode", dead
         ) from None
-    node = pick_replacement(report, route, h, exclude | {dead})
+    node = pick_replacement(report, route, h, exclude | {dead}, client.suspects.current())
     if node is None:
         raise RouteError(
             Reason.NO_REPLACEMENT,

@@ -84,3 +84,12 @@ def test_public_route_takes_any_unflagged_node():
     r = route("public")
     rep = report([node("flagged", flagged=True), node("any")])
     assert pick_replacement(rep, r, r.hops[1], {"dead"}).node_id == "any"
+
+
+def test_a_suspect_replaces_a_dead_hop_only_when_no_other_node_can():
+    r = route("public")
+    rep = report([node("a-suspect"), node("b-fine")])
+    assert pick_replacement(rep, r, r.hops[1], {"dead"}, {"a-suspect"}).node_id == "b-fine"
+    assert pick_replacement(rep, r, r.hops[1], {"dead"}).node_id == "a-suspect"  # first by id otherwise
+    rep = report([node("a-suspect")])
+    assert pick_replacement(rep, r, r.hops[1], {"dead"}, {"a-suspect"}).node_id == "a-suspect"
