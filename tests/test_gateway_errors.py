@@ -16,8 +16,11 @@ from contextlib import contextmanager
 import openai
 import pytest
 
+from neuron_bus.errors import RouteError
+from neuron_bus.gateway.bus import route_api_error
 from neuron_bus.local_swarm import LocalSwarm, cli
 from neuron_bus.natsserver import free_port
+from workers.errors import Reason
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -108,6 +111,14 @@ def sse(url: str, body: dict) -> tuple[int, list[dict], list[dict]]:
             elif line.startswith("data: {"):
                 chunks.append(json.loads(line[len("data: ") :]))
         return resp.status, telemetry, chunks
+
+
+@pytest.mark.parametrize("reason", [Reason.DRAINING, Reason.STUCK, Reason.NODE_LOST])
+def test_a_node_that_takes_no_new_session_after_the_retry_is_503_with_retry_after(reason):
+    """A node moving, stuck or gone, still on the route after the generation's retry: the swarm's
+    own state, which the tracker routes around within seconds; not a node's wrong answer (502)."""
+    response = route_api_error(RouteError(reason, "w: no new sessions", phase="prefill", node_id="w")).response()
+    assert response.status == 503 and response.headers["Retry-After"] == "5"
 
 
 def test_with_queueing_off_requests_beyond_the_free_kv_slots_get_503_with_retry_after(one_slot_swarm):

@@ -103,6 +103,7 @@ RETRY_AFTER_S = {
     Reason.NATS: 5,  # the bus did not take a write (a route assignment, a hop's output): a new try gets a new one
     Reason.NODE_UNREACHABLE: 5,
     Reason.NODE_LOST: 5,  # a dead node: the tracker stops routing to it within seconds
+    Reason.DRAINING: 5,  # a node moving to other layers: the tracker routes around it within a heartbeat
     Reason.STUCK: 5,  # a node stuck in a backend call: the tracker stops routing to it within a heartbeat
 }
 
