@@ -83,7 +83,8 @@ def test_a_stuck_hop_is_left_for_a_new_route_gets_none_and_stops_without_its_bac
     """Hanging replicas: a session moves off one, equal to the reference, and no later route goes
     through it. A stuck worker told to stop exits (status 1) without waiting for its backend, which
     never returns: at once when its sessions are closed, after its grace for the backend when a
-    session's client vanished, and at a second signal during that grace."""
+    session's client vanished (also when told by SIGINT and SIGTERM, as `up` under Ctrl-C does),
+    and at once when told twice by the same signal."""
     swarm = LocalSwarm(smollm2_path, workdir=tmp_path, ranges=[(0, 15), (15, 30)])
     ids = reference.tokenizer.encode("The three primary colors are")
     n = 8
@@ -141,10 +142,13 @@ def test_a_stuck_hop_is_left_for_a_new_route_gets_none_and_stops_without_its_bac
 
         proc = hanging("stuck-2", abandoned)
         t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)  # Ctrl-C under `up`: the terminal's SIGINT, then up's SIGTERM
+        time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(STOP_BACKEND_GRACE_S + 10) == 1
         assert STOP_BACKEND_GRACE_S - 1 < time.monotonic() - t0  # the grace for the session's close
         assert "did not free the sessions within" in swarm.log_tail("stuck-2")
+        assert "again while stopping" not in swarm.log_tail("stuck-2")  # one request to stop, not two
 
         proc = hanging("stuck-3", abandoned)
         t0 = time.monotonic()
@@ -154,4 +158,4 @@ def test_a_stuck_hop_is_left_for_a_new_route_gets_none_and_stops_without_its_bac
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(5) == 1
         assert time.monotonic() - t0 < STOP_BACKEND_GRACE_S - 1
-        assert "a second signal while stopping" in swarm.log_tail("stuck-3")
+        assert "SIGTERM again while stopping" in swarm.log_tail("stuck-3")

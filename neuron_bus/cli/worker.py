@@ -160,8 +160,9 @@ async def serve(url: str, node: Node, loaded, options: WorkerOptions, metrics_po
         service.metrics.serve(metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    told: list[signal.Signals] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, _stop_then_exit, stop, report.node_id)
+        loop.add_signal_handler(sig, _stop_then_exit, sig, told, stop, report.node_id)
     await service.start()
     print(
         f"worker {report.node_id} ready: layers {report.layer_start}-{report.layer_end - 1} of "
@@ -178,10 +179,13 @@ async def serve(url: str, node: Node, loaded, options: WorkerOptions, metrics_po
                   "to the process's exit", 1)  # fmt: skip
 
 
-def _stop_then_exit(stop: asyncio.Event, node_id: str) -> None:
-    """SIGINT/SIGTERM: the first stops the worker cleanly; a second, while it stops, exits at once."""
-    if stop.is_set():
-        _exit_now(f"worker {node_id}: a second signal while stopping; exiting without finishing the stop", 1)
+def _stop_then_exit(sig: signal.Signals, told: list[signal.Signals], stop: asyncio.Event, node_id: str) -> None:
+    """SIGINT/SIGTERM: the first stops the worker cleanly; the same signal again, while it stops,
+    exits at once. Only the same one: Ctrl-C under `neuron-bus up` sends the worker SIGINT from the
+    terminal and SIGTERM from `up`, which is one request to stop."""
+    if sig in told:
+        _exit_now(f"worker {node_id}: {sig.name} again while stopping; exiting without finishing the stop", 1)
+    told.append(sig)
     stop.set()
 
 
