@@ -12,6 +12,7 @@ The client is only in the loop for the prompt: decode runs as a ring (tail -> ho
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import uuid
@@ -30,6 +31,8 @@ from neuron_bus.suspects import Suspects
 from neuron_bus.timing import AVOID_LOST_S
 from neuron_bus.topology import connect, owner_of
 from workers.errors import Reason
+
+log = logging.getLogger("neuron_bus.client")
 
 
 @dataclass
@@ -151,19 +154,19 @@ class NeuronClient:
         )
         try:
             reply = self.reply(msg, M.ControlReply, f"node {node_id}", node_id)
-        except RouteError:
-            self.suspects.add(node_id)
+            answer = M.CONTROL_ANSWERS[type(req)]
+            if not isinstance(reply, (answer, M.ControlError)):
+                raise RouteError(
+                    Reason.BAD_REPLY,
+                    f"node {node_id} answered {type(req).__name__} with {type(reply).__name__}, not {answer.__name__}",
+                    node_id=node_id,
+                )
+        except RouteError as exc:
+            if self.suspects.add(node_id):
+                log.warning("%s; routes avoid it for %.0f s", exc, self.suspects.keep_s)
             raise
         if isinstance(reply, M.ControlError):
             raise RouteError(Reason.of(reply.code), f"{node_id}: {reply.message}", node_id=node_id)
-        answer = M.CONTROL_ANSWERS[type(req)]
-        if not isinstance(reply, answer):
-            self.suspects.add(node_id)
-            raise RouteError(
-                Reason.BAD_REPLY,
-                f"node {node_id} answered {type(req).__name__} with {type(reply).__name__}, not {answer.__name__}",
-                node_id=node_id,
-            )
         return reply
 
     async def tell(self, node_id: str, req) -> None:

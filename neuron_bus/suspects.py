@@ -21,11 +21,14 @@ class Suspects:
         self._clock = clock
         self._until: dict[str, float] = {}  # node id -> when it is forgotten, oldest first
 
-    def add(self, node_id: str) -> None:
+    def add(self, node_id: str) -> bool:
+        """Suspect ``node_id`` from now on; returns whether it was not suspected already."""
+        new = node_id not in self.current()
         self._until.pop(node_id, None)
         self._until[node_id] = self._clock() + self.keep_s
         while len(self._until) > MAX_SUSPECTS:
             del self._until[next(iter(self._until))]
+        return new
 
     def current(self) -> set[str]:
         now = self._clock()

@@ -44,13 +44,17 @@ async def answer_with(client: NeuronClient, node: str, reply) -> None:
     ],
     ids=["sessions-query", "tokenize", "ping"],
 )
-async def test_a_reply_of_the_wrong_kind_is_a_bad_reply_naming_the_node(client, req, wrong):
+async def test_a_reply_of_the_wrong_kind_is_a_bad_reply_naming_the_node(client, req, wrong, caplog):
     await answer_with(client, "odd", wrong)
-    with pytest.raises(RouteError) as err:
-        await client.control("odd", req, timeout=5)
+    for _ in range(2):
+        with pytest.raises(RouteError) as err:
+            await client.control("odd", req, timeout=5)
     assert err.value.reason == Reason.BAD_REPLY
     assert err.value.node_id == "odd"
     assert f"node odd answered {type(req).__name__} with {type(wrong).__name__}" in str(err.value)
+    assert client.suspects.current() == {"odd"}  # its routes go around it from now on
+    warned = [r.getMessage() for r in caplog.records if "routes avoid it for 600 s" in r.getMessage()]
+    assert len(warned) == 1 and "node odd answered" in warned[0], warned  # once, not at every bad reply
 
 
 async def test_every_control_request_has_its_answer(client):

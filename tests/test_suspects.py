@@ -16,14 +16,15 @@ class Clock:
 def test_a_suspect_is_avoided_for_a_while_after_its_last_bad_answer():
     clock = Clock()
     s = Suspects(keep_s=100.0, clock=clock)
-    s.add("rogue")
+    assert s.add("rogue") is True
     clock.now = 60.0
-    s.add("rogue")  # again: remembered from now
+    assert s.add("rogue") is False  # known: remembered from now
     assert s.current() == {"rogue"}
     clock.now = 150.0
     assert s.current() == {"rogue"}
     clock.now = 160.0
     assert s.current() == set()
+    assert s.add("rogue") is True  # forgotten, then new again
 
 
 def test_the_oldest_suspects_are_forgotten_first_past_the_bound():
