@@ -14,11 +14,14 @@ import pytest
 
 from neuron_bus import messages as M
 from neuron_bus.client import NeuronClient
-from neuron_bus.errors import RouteError
+from neuron_bus.errors import NeuronBusError, RouteError
 from neuron_bus.local_swarm import LocalSwarm, WorkerSpec
 from neuron_bus.tasks import cancel_and_wait
+from neuron_bus.topology import connect
 from neuron_bus.worker.runner import STUCK_FACTOR, BackendRunner
 from neuron_bus.worker.service import STOP_BACKEND_GRACE_S
+from tests.hop_node import Node, heartbeats
+from tests.sessions import one_hop_session
 from tests.test_reliability import node_alive
 from workers.errors import Reason
 
@@ -68,6 +71,29 @@ def test_closing_the_runner_leaves_a_call_that_never_returns_and_drops_those_not
 
     asyncio.run(scenario())
     assert BackendRunner("idle", NoMetrics()).close() is True
+
+
+async def test_a_node_refuses_session_opens_while_its_heartbeat_says_stuck(nats_server, tiny_f32, tmp_path):
+    """In process: the beat that finds the call in progress far overdue says stuck and makes the
+    engine refuse opens (a route assigned before the tracker heard); the beat after the call
+    returned says ready, and opens are taken again."""
+    nc = await connect(nats_server.url)
+    node = Node(nc, tiny_f32, tmp_path)
+    inbox = await heartbeats(nc)
+    req = one_hop_session().open
+    req.route.hops[0].cache_abi = node.engine.cache_abi
+    try:
+        node.runner.running = (time.monotonic() - 3600.0, "prefill", 4)  # a call an hour old
+        assert (await node.beat(inbox)).status == "stuck"
+        with pytest.raises(NeuronBusError) as refused:
+            node.engine.check_open(req)
+        assert refused.value.reason == Reason.STUCK and "stuck in a call" in str(refused.value)
+        node.runner.running = None  # it returned
+        assert (await node.beat(inbox)).status == "ready"
+        assert node.engine.check_open(req).node_id == "n"
+    finally:
+        await node.close()
+        await nc.close()
 
 
 async def _route_through(c: NeuronClient, node: str) -> M.RouteAssignment:
