@@ -85,11 +85,13 @@ async def test_a_node_refuses_session_opens_while_its_heartbeat_says_stuck(nats_
     try:
         node.runner.running = (time.monotonic() - 3600.0, "prefill", 4)  # a call an hour old
         assert (await node.beat(inbox)).status == "stuck"
+        assert node.runner.metrics.registry.get_sample_value("neuron_node_stuck") == 1.0
         with pytest.raises(NeuronBusError) as refused:
             node.engine.check_open(req)
         assert refused.value.reason == Reason.STUCK and "stuck in a call" in str(refused.value)
         node.runner.running = None  # it returned
         assert (await node.beat(inbox)).status == "ready"
+        assert node.runner.metrics.registry.get_sample_value("neuron_node_stuck") == 0.0
         assert node.engine.check_open(req).node_id == "n"
     finally:
         await node.close()

@@ -100,6 +100,7 @@ class Heartbeat:
         here too: it refuses session opens until the next beat finds it not."""
         e = self.engine
         e.stuck = self.runner.stuck(time.monotonic(), speed, self.stuck_after_s)
+        self.runner.metrics.stuck.set(int(e.stuck))
         if e.draining:
             return "draining"
         return "stuck" if e.stuck else "ready"

@@ -25,6 +25,11 @@ class WorkerMetrics:
         self.sessions_active = Gauge(
             "neuron_sessions_active", "Open route sessions on this node", registry=self.registry
         )
+        self.stuck = Gauge(
+            "neuron_node_stuck",
+            "1 while a backend call runs far past its time (heartbeat status stuck), else 0",
+            registry=self.registry,
+        )
         self.cache_bytes = Gauge("neuron_cache_bytes", "KV cache bytes held for open sessions", registry=self.registry)
         self.kv_positions = Gauge(
             "neuron_kv_positions",
