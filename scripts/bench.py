@@ -242,7 +242,7 @@ def steady_decode_rate(stamps: list[list[float]]) -> float:
 
 def decode_backend_seconds(ports: list[int]) -> tuple[float, float]:
     """(backend seconds spent on decode summed over the hops, decode steps through the tail)."""
-    busy = sum(scrape(p, "neuron_backend_seconds_total", phase="decode") for p in ports)
+    busy = sum(scrape(p, "neuron_backend_call_seconds_sum", phase="decode") for p in ports)
     return busy, scrape(ports[-1], "neuron_tokens_total", phase="decode")
 
 

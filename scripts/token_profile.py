@@ -9,7 +9,7 @@ after, and the token's time is split into:
 
 - per hop, per decode wave (one session: one wave per token), the stages of the worker's loop
   (``neuron_step_seconds_total``): wait (the step's arrival to the loop taking it), admit,
-  the backend call itself (``neuron_backend_seconds_total``), its hand-off to and from the backend
+  the backend call itself (``neuron_backend_call_seconds_sum``), its hand-off to and from the backend
   thread (compute minus the call: zero when the call runs inline), advance, send (outputs started);
 - bus: what is left of the client's time per token: the publishes through nats-server, the
   pushes to the next hop's consumer, nats-py's parsing and dispatch, and the wake-ups of idle
@@ -47,8 +47,8 @@ def hop_counters(port: int) -> dict[str, float]:
         s: scrape(port, "neuron_step_seconds_total", phase="decode", stage=s)
         for s in ("wait", "admit", "compute", "advance", "send")
     }
-    out["call"] = scrape(port, "neuron_backend_seconds_total", phase="decode")
-    out["waves"] = scrape(port, "neuron_backend_calls_total", phase="decode")
+    out["call"] = scrape(port, "neuron_backend_call_seconds_sum", phase="decode")
+    out["waves"] = scrape(port, "neuron_backend_call_seconds_count", phase="decode")
     return out
 
 

@@ -171,7 +171,7 @@ def shape(swarm, delay_ms: float, rate_mbit: float = 0.0) -> None:
 
 
 def busy(ports: list[int], phase: str) -> list[float]:
-    return [scrape(p, "neuron_backend_seconds_total", phase=phase) for p in ports]
+    return [scrape(p, "neuron_backend_call_seconds_sum", phase=phase) for p in ports]
 
 
 async def single_decode(url: str, ids: list[int], n: int, ports: list[int]) -> tuple[float, float]:

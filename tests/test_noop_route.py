@@ -42,7 +42,7 @@ def test_noop_route_decodes_inline_in_waves(smollm2_path, tmp_path):
 
     with swarm:
         solo, together = asyncio.run(run())
-        calls = [counter(p, "neuron_backend_calls_total") for p in ports]
+        calls = [counter(p, "neuron_backend_call_seconds_count") for p in ports]
         steps = [counter(p, "neuron_tokens_total") for p in ports]
         inline = [counter(p, "neuron_backend_inline_calls_total") for p in ports]
     # the no-op tail's logits make token 0 the greedy pick, every time

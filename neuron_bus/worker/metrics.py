@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from workers.errors import Reason
+
+# bounds of the backend call histogram: they include the runner's inline limits (0.5 ms for any decode
+# call, 20 ms for a hop's only session), so an operator sees how many calls were quick enough
+CALL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class WorkerMetrics:
@@ -64,8 +68,13 @@ class WorkerMetrics:
             "neither a rejection nor anything to tell the client",
             registry=self.registry,
         )
-        self.backend_calls = Counter(
-            "neuron_backend_calls_total", "Backend forward calls", ["phase"], registry=self.registry
+        self.backend_calls = Histogram(
+            "neuron_backend_call_seconds",
+            "Backend forward calls by how long each took, the call alone (_count: calls; _sum: the seconds the "
+            "backend spent computing, its utilization)",
+            ["phase"],
+            buckets=CALL_BUCKETS,
+            registry=self.registry,
         )
         self.snapshots_written = Counter(
             "neuron_snapshots_written_total", "KV snapshots written", registry=self.registry
@@ -85,17 +94,11 @@ class WorkerMetrics:
             ["phase"],
             registry=self.registry,
         )
-        self.backend_seconds = Counter(
-            "neuron_backend_seconds_total",
-            "Seconds the backend spent computing (its utilization)",
-            ["phase"],
-            registry=self.registry,
-        )
         self.step_seconds = Counter(
             "neuron_step_seconds_total",
             "Seconds of the processing loop per wave (decode) or batch (prefill), by stage: wait (its oldest"
             " message's arrival to the loop taking it), admit, compute (the backend call with its hand-off to and"
-            " from the backend thread; the call alone is neuron_backend_seconds_total), advance, send (outputs"
+            " from the backend thread; the call alone is neuron_backend_call_seconds_sum), advance, send (outputs"
             " started)",
             ["phase", "stage"],
             registry=self.registry,
@@ -133,8 +136,7 @@ class WorkerMetrics:
         """A backend call of ``positions`` positions took ``busy`` seconds (``inline``: on the event loop)."""
         if inline:
             self.child(self.inline_calls, phase).inc()
-        self.child(self.backend_calls, phase).inc()
-        self.child(self.backend_seconds, phase).inc(busy)
+        self.child(self.backend_calls, phase).observe(busy)
         self.child(self.tokens, phase).inc(positions)
 
     def value(self, name: str, **labels: str) -> float:
