@@ -364,21 +364,6 @@ def _meta_str(model, key: str) -> str | None:
     return buf.value.decode("utf-8", "replace")
 
 
-def read_metadata(path: str | pathlib.Path, keys: list[str]) -> dict[str, str | None]:
-    """Scalar metadata of a GGUF as llama.cpp reads it (vocab-only load: no weights, fast)."""
-    quiet_logs()
-    mark = len(_errors)
-    mparams = L.llama_model_default_params()
-    mparams.vocab_only = True
-    model = L.llama_model_load_from_file(str(path).encode(), mparams)
-    if not model:
-        raise UnsupportedModel(f"llama.cpp cannot read {path}{_errors_since(mark)}")
-    try:
-        return {k: _meta_str(model, k) for k in keys}
-    finally:
-        L.llama_model_free(model)
-
-
 class Weights:
     """A GGUF (whole model or slice) loaded by llama.cpp: the weights (mmapped) and what the file
     says about the model. Several contexts (the lanes of a KV pool) share one."""

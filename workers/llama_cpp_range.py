@@ -22,7 +22,7 @@ import numpy as np
 
 from workers.errors import BadInput, UnsupportedModel
 from workers.kv_pool import GRANULE, KvPool, round_up
-from workers.llama_cpp_common import ContextConfig, LlamaCppModel, Rows, Weights, read_metadata
+from workers.llama_cpp_common import ContextConfig, LlamaCppModel, Rows, Weights
 from workers.llama_cpp_lanes import Lanes
 from workers.protocol import DEFAULT_N_CTX, Backend, Capability
 
@@ -30,17 +30,10 @@ DEFAULT_SESSIONS = 4  # sessions of n_ctx positions the KV budget holds when non
 DEFAULT_N_BATCH = 512  # rows per llama_decode (longer prefill chunks are run in pieces)
 
 
-def _file_layers(path: Path) -> int:
-    """How many blocks the GGUF at ``path`` holds (a vocab-only read: fast)."""
-    arch = read_metadata(path, ["general.architecture"])["general.architecture"]
-    count = read_metadata(path, [f"{arch}.block_count"])[f"{arch}.block_count"]
-    if count is None:
-        raise UnsupportedModel(f"{path} states no {arch}.block_count")
-    return int(count)
-
-
-def _check_range(file: Path, start: int | None, end: int | None, n_layers: int | None) -> tuple[int, int, int]:
-    held = _file_layers(file)
+def _check_range(
+    file: Path, start: int | None, end: int | None, n_layers: int | None, held: int
+) -> tuple[int, int, int]:
+    """The range [start, end) of a model of ``n_layers`` layers, checked against the ``held`` blocks of ``file``."""
     if start is None and end is None:  # the whole model
         start, end, n_layers = 0, held, held if n_layers is None else n_layers
     if start is None or end is None or n_layers is None:
@@ -82,21 +75,21 @@ class LlamaCppRangeBackend(Backend):
         native_tap: bool = True,
     ):
         file = Path(path)
-        start, end, n_layers = _check_range(file, layer_start, layer_end, n_layers)
         if n_ctx <= 0 or max_sessions <= 0 or n_batch <= 0:
             raise BadInput("n_ctx, max_sessions and n_batch must be positive")
         self.file = file
         self.config = ContextConfig(flash_attn=flash_attn, kv_type=kv_type)
         self.n_batch, self.n_threads, self.native_tap = n_batch, n_threads, native_tap
-        self.weights = Weights(file)
-        super().__init__(
-            layer_start=start,
-            layer_end=end,
-            n_layers=n_layers,
-            hidden_size=self.weights.n_embd,
-            vocab_size=self.weights.n_vocab,
-        )
+        self.weights = Weights(file)  # and the number of blocks it holds, as llama.cpp reads it
         try:
+            start, end, n_layers = _check_range(file, layer_start, layer_end, n_layers, self.weights.n_layer)
+            super().__init__(
+                layer_start=start,
+                layer_end=end,
+                n_layers=n_layers,
+                hidden_size=self.weights.n_embd,
+                vocab_size=self.weights.n_vocab,
+            )
             self._measure(benchmark)
             positions = round_up(n_ctx, GRANULE)
             budget = self._budget(kv_budget, kv_budget_bytes, max_sessions * positions)

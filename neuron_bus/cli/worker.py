@@ -69,9 +69,9 @@ def build_report(
 
 def load(backend: str, src: Source, threads: int, opts: dict):
     """The backend for ``src``, the tokenizer, and the work of each of its layers (artifacts/work.py)."""
-    be = open_range(backend, src.path, src.start, src.end, threads=threads, **opts)
+    owned = src.gguf or GGUFModel(src.path)  # parsed once; a slice counts its own (renumbered) blocks
+    be = open_range(backend, owned, src.start, src.end, threads=threads, **opts)
     tok = open_tokenizer(src.path)
-    owned = src.gguf or GGUFModel(src.path)  # a slice counts its own (renumbered) blocks
     per_layer = [owned_layer_work(owned, i, i + 1, be.n_layers) for i in range(be.layer_start, be.layer_end)]
     return be, tok, per_layer
 
