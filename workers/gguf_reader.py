@@ -52,7 +52,7 @@ class GGUFReader(gguf.GGUFReader):
         if itype == GGUFValueType.STRING:
             u64 = np.dtype(np.uint64).newbyteorder(self.byte_order)
             length = struct.Struct(self._file_order() + "Q").unpack_from
-            data, view = self._data, memoryview(self._data)  # uint8: a slice of it is a string's bytes
+            data, view = self._data, self._data.data  # uint8: a slice of it is a string's bytes
             for _ in range(count):
                 n = length(view, offs)[0]
                 parts += (data[offs : offs + 8].view(u64), data[offs + 8 : offs + 8 + n])
