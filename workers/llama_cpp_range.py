@@ -30,6 +30,15 @@ DEFAULT_SESSIONS = 4  # sessions of n_ctx positions the KV budget holds when non
 DEFAULT_N_BATCH = 512  # rows per llama_decode (longer prefill chunks are run in pieces)
 
 
+def _blocks(weights: Weights) -> int:
+    """How many blocks the loaded file holds, as its metadata states (llama_model_n_layer leaves out
+    the multi-token-prediction blocks of GLM-4.5 and GLM-5)."""
+    count = weights.meta(f"{weights.arch}.block_count")
+    if count is None:
+        raise UnsupportedModel(f"{weights.path} states no {weights.arch}.block_count")
+    return int(count)
+
+
 def _check_range(
     file: Path, start: int | None, end: int | None, n_layers: int | None, held: int
 ) -> tuple[int, int, int]:
@@ -80,9 +89,9 @@ class LlamaCppRangeBackend(Backend):
         self.file = file
         self.config = ContextConfig(flash_attn=flash_attn, kv_type=kv_type)
         self.n_batch, self.n_threads, self.native_tap = n_batch, n_threads, native_tap
-        self.weights = Weights(file)  # and the number of blocks it holds, as llama.cpp reads it
+        self.weights = Weights(file)
         try:
-            start, end, n_layers = _check_range(file, layer_start, layer_end, n_layers, self.weights.n_layer)
+            start, end, n_layers = _check_range(file, layer_start, layer_end, n_layers, _blocks(self.weights))
             super().__init__(
                 layer_start=start,
                 layer_end=end,
