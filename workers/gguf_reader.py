@@ -17,7 +17,6 @@ its elements' views, and a string array's lengths are read with ``struct`` (Gemm
 from __future__ import annotations
 
 import struct
-import sys
 from typing import Any
 
 import gguf
@@ -51,7 +50,7 @@ class GGUFReader(gguf.GGUFReader):
         parts: list[np.ndarray] = [raw_itype, alen]
         if itype == GGUFValueType.STRING:
             u64 = np.dtype(np.uint64).newbyteorder(self.byte_order)
-            length = struct.Struct(self._file_order() + "Q").unpack_from
+            length = struct.Struct(("<" if self.endianess == gguf.GGUFEndian.LITTLE else ">") + "Q").unpack_from
             data, view = self._data, self._data.data  # uint8: a slice of it is a string's bytes
             for _ in range(count):
                 n = length(view, offs)[0]
@@ -64,8 +63,3 @@ class GGUFReader(gguf.GGUFReader):
         values = self._get(offs, nptype, count)
         parts += list(values.reshape(count, 1))  # the elements' one-value views
         return 12 + int(values.nbytes), parts, list(range(2, 2 + count)), types
-
-    def _file_order(self) -> str:
-        """The file's byte order for ``struct``: the stock reader's "I" is this machine's, "S" the other."""
-        little = (sys.byteorder == "little") == (self.byte_order == "I")
-        return "<" if little else ">"
