@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from neuron_bus import codec
 from neuron_bus import messages as M
 from neuron_bus.worker.engine import Incoming
-from neuron_bus.worker.session_table import HopSession
+from neuron_bus.worker.session_table import HopSession, SessionTable
 from neuron_bus.worker.waves import DecodeWaves, next_prefill
 from workers.llama_cpp_full import LlamaCppFullBackend
 
@@ -38,6 +38,11 @@ def route(hops: int) -> M.RouteAssignment:
 def decoding(session_id: str, hop_index: int, hops: int = 2) -> HopSession:
     open_ = M.SessionOpen(session_id=session_id, route=route(hops), hop_index=hop_index, prompt_tokens=4, n_ctx=64)
     return HopSession(open=open_, node_id=f"n{hop_index}", position=4)  # past its prompt: decoding
+
+
+def prefilling(session_id: str) -> HopSession:
+    open_ = M.SessionOpen(session_id=session_id, route=route(2), hop_index=0, prompt_tokens=512, n_ctx=1024)
+    return HopSession(open=open_, node_id="n0")
 
 
 def activation(session_id: str, rows: int, phase: str) -> dict[str, str]:
@@ -131,6 +136,10 @@ def chunk(session_id: str, rows: int, name: str) -> Incoming:
     return Incoming(msg, msg.headers, msg.data)
 
 
+def in_arrival_order(session_id: str | None) -> int:
+    return 0  # every session's turn alike: ties go as the chunks arrived
+
+
 def test_a_prefill_batch_takes_each_sessions_oldest_chunk_within_the_row_budget():
     queue = deque(
         [
@@ -142,12 +151,41 @@ def test_a_prefill_batch_takes_each_sessions_oldest_chunk_within_the_row_budget(
             chunk("d", 50, "d1"),
         ]
     )
-    picked = next_prefill(queue, max_rows=512)
+    picked = next_prefill(queue, in_arrival_order, max_rows=512)
     assert [m.headers["name"] for m in picked] == ["a1", "b1", "d1"]
     assert [m.headers["name"] for m in queue] == ["a2", "c1", "c2"]
-    assert [m.headers["name"] for m in next_prefill(queue, max_rows=512)] == ["a2", "c1"]
+    assert [m.headers["name"] for m in next_prefill(queue, in_arrival_order, max_rows=512)] == ["a2", "c1"]
     # the oldest chunk always goes, even when it alone is longer than the budget
-    assert [m.headers["name"] for m in next_prefill(deque([chunk("x", 900, "x1"), chunk("y", 1, "y1")]), 512)] == ["x1"]
+    big = deque([chunk("x", 900, "x1"), chunk("y", 1, "y1")])
+    assert [m.headers["name"] for m in next_prefill(big, in_arrival_order, 512)] == ["x1"]
+
+
+def test_prefill_batches_serve_the_sessions_in_the_turn_the_hop_took_them_not_as_their_chunks_arrived():
+    """Sessions sharing a route publish their chunks interleaved; the hop takes the earliest
+    sessions' chunks first, so they reach their first tokens while the later ones wait."""
+    table = SessionTable()
+    for sid in "abcd":
+        table.add(prefilling(sid))
+    queue = deque(chunk(sid, 256, f"{sid}{k}") for k in (1, 2) for sid in "dcba")  # d1 c1 b1 a1 d2 c2 b2 a2
+    batches = []
+    while queue:
+        batches.append([m.headers["name"] for m in next_prefill(queue, table.turn, max_rows=512)])
+    assert batches == [["a1", "b1"], ["a2", "b2"], ["c1", "d1"], ["c2", "d2"]]
+    # a message of a session the hop does not hold goes first: it is refused without model work
+    queue = deque([chunk("a", 256, "a3"), chunk("zz", 256, "z1")])
+    assert [m.headers["name"] for m in next_prefill(queue, table.turn, max_rows=256)] == ["z1"]
+
+
+def test_a_session_that_replaces_its_own_entry_keeps_its_turn():
+    table = SessionTable()
+    for sid in "ab":
+        table.add(prefilling(sid))
+    turns = table.turn("a"), table.turn("b")
+    table.add(prefilling("a"))  # the route repaired: a resumed session replaces a's entry
+    table.add(prefilling("c"))
+    assert (table.turn("a"), table.turn("b")) == turns and table.turn("c") > turns[1] > turns[0] > 0
+    table.pop("b")
+    assert table.turn("b") == 0
 
 
 def test_the_head_plans_more_waves_once_it_has_measured_long_links(backend):
@@ -167,3 +205,12 @@ def test_the_head_plans_more_waves_once_it_has_measured_long_links(backend):
     later.ran([decoding(sid, 1) for sid in "ab"], 2, 0.012, when=0.0)  # a later hop heads nothing
     later.returned(step("a"), when=0.110)
     assert later.links.latency() is None
+
+
+def test_the_ttft_bench_bound_is_first_come_first_served_at_the_runs_own_rate():
+    from scripts.ttft_bench import figures
+
+    in_turn = figures([4.0, 1.0, 3.0, 2.0])  # one after another: the k-th after k/4 of the last
+    assert in_turn["first_come_bound_mean_s"] == 2.5 and in_turn["ttft_mean_vs_first_come_bound"] == 1.0
+    shared = figures([4.0, 4.0, 4.0, 4.0])  # every prompt done at the end
+    assert shared["ttft_mean_vs_first_come_bound"] == 1.6 and shared["ttft_first_s"] == 4.0

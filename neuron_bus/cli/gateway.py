@@ -9,6 +9,7 @@ import typer
 
 from neuron_bus.admission import DEFAULT_LIMIT as DEFAULT_QUEUE_LIMIT
 from neuron_bus.cli.app import NatsOption, app, fail
+from neuron_bus.gateway.bus import DEFAULT_CHUNK
 
 
 @app.command()
@@ -17,7 +18,7 @@ def gateway(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8080, min=1, max=65535, help="HTTP port."),
     max_context: int = typer.Option(4096, min=2, help="Prompt + generated tokens per request at most (413 beyond)."),
-    chunk_size: int = typer.Option(128, min=1, help="Prefill chunk size in tokens (progress granularity)."),
+    chunk_size: int = typer.Option(DEFAULT_CHUNK, min=1, help="Prefill chunk size in tokens (progress granularity)."),
     max_queue: int = typer.Option(
         DEFAULT_QUEUE_LIMIT, min=0, help="Requests that may wait for a free session slot (429 beyond; 0: 503 at once)."
     ),

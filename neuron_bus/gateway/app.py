@@ -25,7 +25,7 @@ from aiohttp import web
 from neuron_bus.client import NeuronClient
 from neuron_bus.gateway import openai_api
 from neuron_bus.gateway.access import ACCESS, Access, require_key
-from neuron_bus.gateway.bus import Bus
+from neuron_bus.gateway.bus import DEFAULT_CHUNK, Bus
 from neuron_bus.gateway.metrics import GatewayMetrics
 from neuron_bus.gateway.openai_api import BUS
 from neuron_bus.gateway.validation import ApiError, Limits
@@ -78,7 +78,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_app(
-    client: NeuronClient, limits: Limits = Limits(), chunk_size: int = 128, api_keys: Path | None = None
+    client: NeuronClient, limits: Limits = Limits(), chunk_size: int = DEFAULT_CHUNK, api_keys: Path | None = None
 ) -> web.Application:
     app = web.Application(middlewares=[errors, require_key], client_max_size=limits.max_body_bytes)
     counters = GatewayMetrics()
@@ -99,7 +99,7 @@ async def serve(
     host: str,
     port: int,
     limits: Limits = Limits(),
-    chunk_size: int = 128,
+    chunk_size: int = DEFAULT_CHUNK,
     on_ready=None,
     api_keys: Path | None = None,
     tracker_wait: float = 10.0,

@@ -135,8 +135,11 @@ def route_error_body(exc: RouteError, session_id: str | None = None) -> dict:
     }
 
 
+DEFAULT_CHUNK = 128  # prompt tokens per prefill chunk: the page's progress steps, and each hop's share of a batch
+
+
 class Bus:
-    def __init__(self, client: NeuronClient, limits: Limits, metrics: GatewayMetrics, chunk_size: int = 128):
+    def __init__(self, client: NeuronClient, limits: Limits, metrics: GatewayMetrics, chunk_size: int = DEFAULT_CHUNK):
         self.client = client
         self.limits = limits
         self.metrics = metrics

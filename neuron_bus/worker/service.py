@@ -59,11 +59,14 @@ class WorkerOptions:
     max_decode_batch: int = 8
     batch_wait_ms: float = 10.0  # how long hop 0 may hold a decode step for other sessions' steps
     decode_ack_pending: int = 256
-    # prefill chunks in flight per route and hop, over its sessions (each session's subject holds at
-    # most its window). With one, each chunk held the route for its compute plus three link crossings
-    # (forward acknowledged, ack, next delivery): over 25 ms links a route's sessions started 0.12 s
-    # apart; with the window of one session, 4, sessions sharing a route entered a hop 4 at a time.
-    prefill_ack_pending: int = 4 * DEFAULT_PREFILL_WINDOW
+    # prefill chunks in flight per route and hop, over its sessions. Each session's subject holds at
+    # most its window (DEFAULT_PREFILL_WINDOW), delivered or not, so this bounds no memory the
+    # windows do not: it lets the hop see every waiting session's chunks and take them in the
+    # sessions' turn (waves.next_prefill). With 16 (4 sessions' windows) the server handed out the
+    # chunks in publish order, which interleaves the sessions, and the hop could only share each
+    # batch among them all. With one, each chunk held the route for its compute plus three link
+    # crossings (forward acknowledged, ack, next delivery).
+    prefill_ack_pending: int = 64 * DEFAULT_PREFILL_WINDOW
     max_body: int = codec.DEFAULT_MAX_BODY
     slow_ms: float = 0.0  # add this much delay per backend call (fault injection for tests)
     snapshot_every: int = 0  # write a KV snapshot whenever a decoding session crosses a multiple of this
@@ -221,7 +224,7 @@ class WorkerService:
                         await self._process(await self.waves.next(self.sessions, self.engine.backend), "decode")
                     else:
                         turn = "decode"
-                        await self._process(next_prefill(prefill), "prefill")
+                        await self._process(next_prefill(prefill, self.sessions.turn), "prefill")
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # never let one message kill the loop

@@ -8,6 +8,7 @@ position_gap, out_of_order, overrun).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ class HopSession:
     # positions at the end held on trust: the drafts of the last speculative step; the next decode
     # step says how many of them the tail accepted by starting among them (then they are dropped)
     drafts_held: int = 0
+    admitted: int = 0  # the order this hop took the session in (SessionTable.add): its prompt's turn
 
     @property
     def session_id(self) -> str:
@@ -84,6 +86,7 @@ class HopSession:
 class SessionTable:
     def __init__(self) -> None:
         self._sessions: dict[str, HopSession] = {}
+        self._order = itertools.count(1)
         self.on_change: Callable[[], None] | None = None  # told when a session is added or removed
 
     def _changed(self) -> None:
@@ -100,6 +103,9 @@ class SessionTable:
         return iter(list(self._sessions.values()))
 
     def add(self, s: HopSession) -> None:
+        """Hold ``s``; a session that replaces its own entry (a route repair) keeps its turn."""
+        old = self._sessions.get(s.session_id)
+        s.admitted = old.admitted if old is not None else next(self._order)
         self._sessions[s.session_id] = s
         self._changed()
 
@@ -111,6 +117,12 @@ class SessionTable:
         if s is not None:
             self._changed()
         return s
+
+    def turn(self, session_id: str | None) -> int:
+        """When the session's prompt chunks are due (lower first): the order this hop took it in; 0 for
+        a session it does not hold (its message is refused at once, costing no compute)."""
+        s = self._sessions.get(session_id or "")
+        return s.admitted if s is not None else 0
 
     def routes(self) -> set[str]:
         return {s.route.route_id for s in self._sessions.values()}
