@@ -13,6 +13,11 @@ the bound); the hop's prompt turns (neuron_bus/worker/waves.py) aim at the bound
 
 Figures per run, then medians with their range over the runs: mean, p50 and p90 TTFT, the first
 and the last, and ``ttft_mean_vs_first_come_bound``.
+
+Then, once per run, a short prompt (32 tokens) sent a second after 4 long ones (2x ``--prompt``
+tokens each): its time to first token against its time alone on the idle route
+(``short_behind_long_vs_alone``). First come, first served alone would hold it until a long prompt
+is in; the hop gives one place in each batch to the prompt with the fewest positions left.
 """
 
 from __future__ import annotations
@@ -77,14 +82,29 @@ def figures(ttfts: list[float]) -> dict:
     }
 
 
-def run_once(url: str, batch: list[list[int]], chunk: int) -> dict:
-    async def go() -> list[float]:
-        async with await NeuronClient.connect(url, queue_limit=0) as c:
-            await _first_token(c, batch[0][:32], time.perf_counter(), chunk)  # warm: consumers bound, links up
-            t0 = time.perf_counter()
-            return list(await asyncio.gather(*(_first_token(c, ids, t0, chunk) for ids in batch)))
+SHORT = 32  # tokens of the short prompt sent behind long ones
+LONG = 4  # long prompts it is sent behind
 
-    return figures(asyncio.run(go()))
+
+def run_once(url: str, batch: list[list[int]], chunk: int, long: list[list[int]]) -> dict:
+    async def go() -> tuple[list[float], float, float]:
+        async with await NeuronClient.connect(url, queue_limit=0) as c:
+            short = batch[-1][-SHORT:]
+            alone = await _first_token(c, short, time.perf_counter(), chunk)  # also warms: consumers bound, links up
+            t0 = time.perf_counter()
+            ttfts = list(await asyncio.gather(*(_first_token(c, ids, t0, chunk) for ids in batch)))
+            longs = [asyncio.create_task(_first_token(c, ids, time.perf_counter(), chunk)) for ids in long]
+            await asyncio.sleep(1.0)
+            behind = await _first_token(c, short, time.perf_counter(), chunk)
+            await asyncio.gather(*longs)
+            return ttfts, alone, behind
+
+    ttfts, alone, behind = asyncio.run(go())
+    return figures(ttfts) | {
+        "short_alone_ttft_s": alone,
+        "short_behind_long_ttft_s": behind,
+        "short_behind_long_vs_alone": behind / alone,
+    }
 
 
 def main() -> int:
@@ -98,7 +118,9 @@ def main() -> int:
     args = ap.parse_args()
 
     model_path = models.resolve(args.model)
-    batch = prompts(open_tokenizer(model_path), args.sessions, args.prompt)
+    tokenizer = open_tokenizer(model_path)
+    batch = prompts(tokenizer, args.sessions, args.prompt)
+    long = prompts(tokenizer, LONG, 2 * args.prompt)
     print(
         f"model {model_path.name}; {args.sessions} prompts of {args.prompt} tokens at once on a 2-hop route, "
         f"chunks of {args.chunk}; 1 thread per process; {args.runs} run(s)",
@@ -107,12 +129,14 @@ def main() -> int:
     runs = []
     with LocalSwarm(model_path, 2, workdir=Path(tempfile.mkdtemp(prefix="neuron-ttft-"))) as swarm:
         for i in range(args.runs):
-            r = run_once(swarm.url, batch, args.chunk)
+            r = run_once(swarm.url, batch, args.chunk, long)
             runs.append(r)
             print(
                 f"run {i + 1}: TTFT mean {r['ttft_mean_s']:.1f} s, p50 {r['ttft_p50_s']:.1f}, p90 {r['ttft_p90_s']:.1f}, "
                 f"first {r['ttft_first_s']:.1f}, last {r['ttft_last_s']:.1f}; first-come bound for the mean "
-                f"{r['first_come_bound_mean_s']:.1f} s: {r['ttft_mean_vs_first_come_bound']:.2f}x",
+                f"{r['first_come_bound_mean_s']:.1f} s: {r['ttft_mean_vs_first_come_bound']:.2f}x; a {SHORT}-token prompt "
+                f"behind {LONG} of {2 * args.prompt}: {r['short_behind_long_ttft_s']:.2f} s, alone "
+                f"{r['short_alone_ttft_s']:.2f} s: {r['short_behind_long_vs_alone']:.1f}x",
                 flush=True,
             )
     summary = {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),

@@ -137,7 +137,7 @@ def chunk(session_id: str, rows: int, name: str) -> Incoming:
 
 
 def in_arrival_order(session_id: str | None) -> int:
-    return 0  # every session's turn alike: ties go as the chunks arrived
+    return 0  # every session's turn alike, and as much prompt left: ties go as the chunks arrived
 
 
 def test_a_prefill_batch_takes_each_sessions_oldest_chunk_within_the_row_budget():
@@ -151,13 +151,16 @@ def test_a_prefill_batch_takes_each_sessions_oldest_chunk_within_the_row_budget(
             chunk("d", 50, "d1"),
         ]
     )
-    picked = next_prefill(queue, in_arrival_order, max_rows=512)
+    picked = next_prefill(queue, in_arrival_order, in_arrival_order, max_rows=512)
     assert [m.headers["name"] for m in picked] == ["a1", "b1", "d1"]
     assert [m.headers["name"] for m in queue] == ["a2", "c1", "c2"]
-    assert [m.headers["name"] for m in next_prefill(queue, in_arrival_order, max_rows=512)] == ["a2", "c1"]
+    assert [m.headers["name"] for m in next_prefill(queue, in_arrival_order, in_arrival_order, max_rows=512)] == [
+        "a2",
+        "c1",
+    ]
     # the oldest chunk always goes, even when it alone is longer than the budget
     big = deque([chunk("x", 900, "x1"), chunk("y", 1, "y1")])
-    assert [m.headers["name"] for m in next_prefill(big, in_arrival_order, 512)] == ["x1"]
+    assert [m.headers["name"] for m in next_prefill(big, in_arrival_order, in_arrival_order, 512)] == ["x1"]
 
 
 def test_prefill_batches_serve_the_sessions_in_the_turn_the_hop_took_them_not_as_their_chunks_arrived():
@@ -169,11 +172,26 @@ def test_prefill_batches_serve_the_sessions_in_the_turn_the_hop_took_them_not_as
     queue = deque(chunk(sid, 256, f"{sid}{k}") for k in (1, 2) for sid in "dcba")  # d1 c1 b1 a1 d2 c2 b2 a2
     batches = []
     while queue:
-        batches.append([m.headers["name"] for m in next_prefill(queue, table.turn, max_rows=512)])
+        batches.append([m.headers["name"] for m in next_prefill(queue, table.turn, table.left, max_rows=512)])
     assert batches == [["a1", "b1"], ["a2", "b2"], ["c1", "d1"], ["c2", "d2"]]
     # a message of a session the hop does not hold goes first: it is refused without model work
     queue = deque([chunk("a", 256, "a3"), chunk("zz", 256, "z1")])
-    assert [m.headers["name"] for m in next_prefill(queue, table.turn, max_rows=256)] == ["z1"]
+    assert [m.headers["name"] for m in next_prefill(queue, table.turn, table.left, max_rows=256)] == ["z1"]
+
+
+def test_a_short_prompt_behind_long_ones_gets_the_one_place_out_of_turn_in_the_next_batch():
+    table = SessionTable()
+    for sid in "ab":
+        table.add(prefilling(sid))  # 512 prompt positions each: two chunks of 256
+    short = prefilling("c")
+    short.open.prompt_tokens = 100
+    table.add(short)
+    assert [table.left(sid) for sid in "abc"] == [512, 512, 100]
+    queue = deque([chunk("a", 256, "a1"), chunk("b", 256, "b1"), chunk("a", 256, "a2"), chunk("c", 100, "c1")])
+    assert [m.headers["name"] for m in next_prefill(queue, table.turn, table.left, max_rows=512)] == ["c1", "a1"]
+    table.get("a").position = 256  # a1 computed: a has the fewest left of the two long ones
+    table.get("c").position = 100  # c's prompt is in
+    assert [m.headers["name"] for m in next_prefill(queue, table.turn, table.left, max_rows=512)] == ["a2", "b1"]
 
 
 def test_a_session_that_replaces_its_own_entry_keeps_its_turn():

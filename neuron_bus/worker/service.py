@@ -224,7 +224,7 @@ class WorkerService:
                         await self._process(await self.waves.next(self.sessions, self.engine.backend), "decode")
                     else:
                         turn = "decode"
-                        await self._process(next_prefill(prefill, self.sessions.turn), "prefill")
+                        await self._process(next_prefill(prefill, self.sessions.turn, self.sessions.left), "prefill")
                 except asyncio.CancelledError:
                     raise
                 except Exception:  # never let one message kill the loop

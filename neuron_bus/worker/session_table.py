@@ -124,6 +124,11 @@ class SessionTable:
         s = self._sessions.get(session_id or "")
         return s.admitted if s is not None else 0
 
+    def left(self, session_id: str | None) -> int:
+        """Prompt (or repair replay) positions still to come for the session; 0 for one this hop does not hold."""
+        s = self._sessions.get(session_id or "")
+        return max(0, s.prefill_end - s.position) if s is not None else 0
+
     def routes(self) -> set[str]:
         return {s.route.route_id for s in self._sessions.values()}
 
