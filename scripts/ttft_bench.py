@@ -90,7 +90,8 @@ def run_once(url: str, batch: list[list[int]], chunk: int, long: list[list[int]]
     async def go() -> tuple[list[float], float, float]:
         async with await NeuronClient.connect(url, queue_limit=0) as c:
             short = batch[-1][-SHORT:]
-            alone = await _first_token(c, short, time.perf_counter(), chunk)  # also warms: consumers bound, links up
+            await _first_token(c, batch[0][:SHORT], time.perf_counter(), chunk)  # warm: consumers bound, links up
+            alone = await _first_token(c, short, time.perf_counter(), chunk)
             t0 = time.perf_counter()
             ttfts = list(await asyncio.gather(*(_first_token(c, ids, t0, chunk) for ids in batch)))
             longs = [asyncio.create_task(_first_token(c, ids, time.perf_counter(), chunk)) for ids in long]

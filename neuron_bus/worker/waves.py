@@ -58,11 +58,13 @@ def next_prefill(
     oldest: dict[object, Incoming] = {}  # a session's later chunk never overtakes its earlier one
     for m in queue:
         oldest.setdefault(m.session_id or id(m), m)
+    if not oldest:
+        return []
     in_turn = sorted(oldest.values(), key=lambda m: turn(m.session_id))
-    shortest = min(in_turn, key=lambda m: left(m.session_id), default=None)
+    shortest = min(in_turn, key=lambda m: left(m.session_id))
     picked: list[Incoming] = []
     rows = 0
-    for m in [shortest, *(m for m in in_turn if m is not shortest)] if shortest is not None else []:
+    for m in [shortest, *(m for m in in_turn if m is not shortest)]:
         if picked and rows + m.rows > max_rows:
             continue
         picked.append(m)
