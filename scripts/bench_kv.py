@@ -51,10 +51,14 @@ def sessions_admitted(model_path: Path, threads: int, positions: int = 512, cach
     return {f"sessions_admitted_{positions}": min(per_hop), f"sessions_admitted_{positions}_per_hop": per_hop}
 
 
-async def _ttft(c: NeuronClient, ids: list[int], **kw) -> tuple[float, list[int], int]:
+async def first_token(
+    c: NeuronClient, ids: list[int], new_tokens: int = NEW_TOKENS, **kw
+) -> tuple[float, list[int], int]:
+    """Time to first token of one generation of ``new_tokens`` (greedy), its tokens, and the prompt
+    positions its route reused; ``kw`` goes to `NeuronClient.generate`."""
     t0 = time.perf_counter()
     first, tokens, reused = None, [], 0
-    sampling = M.SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    sampling = M.SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     async for ev in c.generate(prompt_tokens=ids, sampling=sampling, **kw):
         if isinstance(ev, M.TokenDelta):
             first = first if first is not None else time.perf_counter() - t0
@@ -74,10 +78,10 @@ def prefix_ttft(model_path: Path, threads: int, workdir: Path, tokenizer) -> dic
 
     async def run(url: str) -> dict:
         async with await NeuronClient.connect(url) as c:
-            await _ttft(c, turn1[:300], prefix_reuse=False)  # warm the route (consumers, connections)
-            cold, cold_tokens, _ = await _ttft(c, turn2, prefix_reuse=False)
-            await _ttft(c, turn1)  # the first turn: computed, its prefix kept by every hop
-            warm, warm_tokens, reused = await _ttft(c, turn2)
+            await first_token(c, turn1[:300], prefix_reuse=False)  # warm the route (consumers, connections)
+            cold, cold_tokens, _ = await first_token(c, turn2, prefix_reuse=False)
+            await first_token(c, turn1)  # the first turn: computed, its prefix kept by every hop
+            warm, warm_tokens, reused = await first_token(c, turn2)
         return {
             "prefix2k_ttft_vs_cold": warm / cold,
             "prefix2k_cold_ttft_s": cold,

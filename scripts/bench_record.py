@@ -19,11 +19,11 @@ README = ROOT / "README.md"
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
-def _spread(values: list):
+def spread(values: list):
     """Median/min/max of numbers, element-wise through dicts; other values from the last run."""
     first = values[-1]
     if isinstance(first, dict):
-        return {k: _spread([v[k] for v in values if k in v]) for k in first}
+        return {k: spread([v[k] for v in values if k in v]) for k in first}
     if isinstance(first, (int, float)) and not isinstance(first, bool) and len(values) > 1:
         return {"median": statistics.median(values), "min": min(values), "max": max(values)}
     return first
@@ -58,7 +58,7 @@ def summarize(runs: list[dict], quick: bool) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "quick": quick,
         "n_runs": len(runs),
-        "summary": _spread(runs),
+        "summary": spread(runs),
         "runs": runs,
     }
 

@@ -28,17 +28,16 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from neuron_bus import messages as M  # noqa: E402
 from neuron_bus import models  # noqa: E402
 from neuron_bus.client import NeuronClient  # noqa: E402
 from neuron_bus.execution import open_tokenizer  # noqa: E402
 from neuron_bus.gateway.bus import DEFAULT_CHUNK  # noqa: E402
 from neuron_bus.local_swarm import LocalSwarm  # noqa: E402
+from scripts import bench_kv, bench_record  # noqa: E402
 
 NEW_TOKENS = 8
 
@@ -56,14 +55,8 @@ def prompts(tokenizer, sessions: int, length: int) -> list[list[int]]:
     return [ids[4 * k : 4 * k + length] for k in range(sessions)]
 
 
-async def _first_token(c: NeuronClient, ids: list[int], t0: float, chunk: int) -> float:
-    first = None
-    sampling = M.SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
-    async for ev in c.generate(prompt_tokens=ids, sampling=sampling, chunk_size=chunk, prefix_reuse=False):
-        if isinstance(ev, M.TokenDelta) and first is None:
-            first = time.perf_counter() - t0
-    if first is None:
-        raise RuntimeError("a session ended without a token")
+async def _first_token(c: NeuronClient, ids: list[int], chunk: int) -> float:
+    first, _, _ = await bench_kv.first_token(c, ids, NEW_TOKENS, chunk_size=chunk, prefix_reuse=False)
     return first
 
 
@@ -90,13 +83,12 @@ def run_once(url: str, batch: list[list[int]], chunk: int, long: list[list[int]]
     async def go() -> tuple[list[float], float, float]:
         async with await NeuronClient.connect(url, queue_limit=0) as c:
             short = batch[-1][-SHORT:]
-            await _first_token(c, batch[0][:SHORT], time.perf_counter(), chunk)  # warm: consumers bound, links up
-            alone = await _first_token(c, short, time.perf_counter(), chunk)
-            t0 = time.perf_counter()
-            ttfts = list(await asyncio.gather(*(_first_token(c, ids, t0, chunk) for ids in batch)))
-            longs = [asyncio.create_task(_first_token(c, ids, time.perf_counter(), chunk)) for ids in long]
+            await _first_token(c, batch[0][:SHORT], chunk)  # warm: consumers bound, links up
+            alone = await _first_token(c, short, chunk)
+            ttfts = list(await asyncio.gather(*(_first_token(c, ids, chunk) for ids in batch)))
+            longs = [asyncio.create_task(_first_token(c, ids, chunk)) for ids in long]
             await asyncio.sleep(1.0)
-            behind = await _first_token(c, short, time.perf_counter(), chunk)
+            behind = await _first_token(c, short, chunk)
             await asyncio.gather(*longs)
             return ttfts, alone, behind
 
@@ -140,8 +132,7 @@ def main() -> int:
                 f"{r['short_alone_ttft_s']:.2f} s: {r['short_behind_long_vs_alone']:.1f}x",
                 flush=True,
             )
-    summary = {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
-                   "max": max(r[k] for r in runs)} for k in runs[0]}  # fmt: skip
+    summary = bench_record.spread(runs)
     if args.runs > 1:
         print("medians [range] over the runs:")
         for k, v in summary.items():
