@@ -11,12 +11,16 @@ Requests run concurrently, those naming one session in the order they arrived: o
 open or a close waits on round trips to the server (consumers, the ledger), and sixteen sessions
 opened together must not wait for each other's (a subscription's callbacks would run one at a
 time). At most `CONCURRENT` run at once; beyond that the subscription's own queue holds them.
+
+The tokenizer runs on a thread of its own, one call at a time, never behind the backend's: a head
+busy with a prompt batch (seconds) would otherwise hold every new request's tokenizing that long.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from nats.aio.msg import Msg
 
@@ -41,11 +45,11 @@ def session_of(req) -> object:
 
 
 class ControlPlane:
-    def __init__(self, node_id: str, lifecycle, runner, tokenizer, metrics, mover):
+    def __init__(self, node_id: str, lifecycle, tokenizer, metrics, mover):
         self.node_id = node_id
         self.lifecycle = lifecycle
-        self.runner = runner
         self.tokenizer = tokenizer
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix=f"tokenizer-{node_id}")
         self.metrics = metrics
         self.mover = mover
         self._running = InOrder()
@@ -53,6 +57,7 @@ class ControlPlane:
 
     async def stop(self) -> None:
         await self._running.cancel_all()
+        self._tokenizing.shutdown(wait=False)
 
     async def on_message(self, msg: Msg) -> None:
         try:
@@ -84,6 +89,9 @@ class ControlPlane:
             log.warning("%s: control reply not sent: %s", self.node_id, exc)
         finally:
             self._slots.release()
+
+    async def _on_tokenizer_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     def _error(self, exc: Exception) -> M.ControlError:
         if isinstance(exc, MalformedMessage):
@@ -132,10 +140,12 @@ class ControlPlane:
                 raise NeuronBusError(Reason.BAD_INPUT, f"token id {bad[0]} is outside the vocabulary of {n} tokens")
             return M.TokenizeReply(tokens=list(req.tokens), text="")
         if req.messages is not None:
-            text, tokens = await self.runner.call(self.tokenizer.encode_chat, req.messages, req.add_generation_prompt)
+            text, tokens = await self._on_tokenizer_thread(
+                self.tokenizer.encode_chat, req.messages, req.add_generation_prompt
+            )
         elif req.text is not None:
             text = req.text
-            tokens = await self.runner.call(self.tokenizer.encode, text)
+            tokens = await self._on_tokenizer_thread(self.tokenizer.encode, text)
         else:
             raise ValueError("tokenize needs text or messages")
         return M.TokenizeReply(tokens=tokens, text=text)

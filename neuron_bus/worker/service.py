@@ -129,7 +129,7 @@ class WorkerService:
             self.metrics, prefixes, idle_timeout_s=self.opts.idle_timeout,
         )  # fmt: skip
         self.mover = Mover(self, reload)
-        self.control = ControlPlane(self.node_id, self.lifecycle, self.runner, tokenizer, self.metrics, self.mover)
+        self.control = ControlPlane(self.node_id, self.lifecycle, tokenizer, self.metrics, self.mover)
         self.heartbeat = Heartbeat(nc, report, self.engine, self.runner, self.node_telemetry, self.opts.stuck_after)
         self.outbox = Outbox(
             nc, self.engine, self.runner, self.lifecycle, deliveries, self.snapshots, self.trail, self.metrics

@@ -1,5 +1,6 @@
-"""Prompts take turns on a real route: a busy head computes the prompts waiting for it in the order
-it opened their sessions, not in the order their chunks reached it (real processes, real bus)."""
+"""A head busy computing a prompt (slowed by 2 s a call), on a real route (real processes, real bus):
+the prompts waiting for it take turns in the order it opened their sessions, not in the order
+their chunks reached it; a new request's prompt is tokenized at once, not after the compute."""
 
 from __future__ import annotations
 
@@ -17,6 +18,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CHUNK = 180  # two chunks of one prefill batch (512 rows), not three
 SAMPLING = M.SamplingParams(max_tokens=2, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def swarm(smollm2_path, tmp_path_factory):
+    with LocalSwarm(
+        smollm2_path, 2, workdir=tmp_path_factory.mktemp("busy"), worker_extra={0: ["--slow-ms", "2000"]}
+    ) as swarm:
+        yield swarm
+
+
+@pytest.fixture(scope="module")
+def text(smollm2_path) -> list[int]:
+    from workers.tokenizer import Tokenizer
+
+    return Tokenizer(smollm2_path).encode("Waves roll over the quiet harbour at dawn. " * 300)
 
 
 class HeldRun(GenerationRun):
@@ -48,17 +64,24 @@ async def follow(run: HeldRun, name: str, log: list[tuple[float, str, str]]) -> 
             log.append((time.monotonic(), name, "token"))
 
 
-def test_a_busy_head_computes_waiting_prompts_in_the_order_it_opened_them(smollm2_path, tmp_path):
+async def keep_busy(c: NeuronClient, route: M.RouteAssignment, ids: list[int], log: list) -> asyncio.Task:
+    """A session whose one chunk of 500 positions the head takes at once (nothing else is queued)."""
+    busy = HeldRun(c, route, ids, 500)
+    task = asyncio.create_task(follow(busy, "busy", log))
+    await busy.opened_everywhere.wait()
+    busy.release.set()
+    await busy.sent.wait()
+    await asyncio.sleep(1.0)  # in the head's compute call: 2 s of sleep, then the chunk
+    return task
+
+
+def test_a_busy_head_computes_waiting_prompts_in_the_order_it_opened_them(swarm, text):
     """Sessions a, b, c, d open one after another; then, while the head computes another prompt
     (slowed by 2 s a call), their prompts (two chunks each) reach it in the reverse order, d's
     first. The head takes two chunks a batch: a's and b's, again a's and b's (their first tokens),
     then c's and d's. Taken as they arrived (the code before d8667d7, checked) the first batch was
     d's and c's, and a and b reached their first tokens last."""
-    from workers.tokenizer import Tokenizer
-
-    text = Tokenizer(smollm2_path).encode("Waves roll over the quiet harbour at dawn. " * 200)
     prompts = {name: text[k : k + 2 * CHUNK] for k, name in enumerate("abcd")}
-    swarm = LocalSwarm(smollm2_path, 2, workdir=tmp_path, worker_extra={0: ["--slow-ms", "2000"]})
 
     async def scenario() -> list[tuple[float, str, str]]:
         log: list[tuple[float, str, str]] = []
@@ -69,22 +92,35 @@ def test_a_busy_head_computes_waiting_prompts_in_the_order_it_opened_them(smollm
             for name, run in runs.items():  # the hops open them in this order (an open waits out a compute call)
                 tasks.append(asyncio.create_task(follow(run, name, log)))
                 await run.opened_everywhere.wait()
-            busy = HeldRun(c, route, text[1000:1500], 500)  # the head's work while the others' prompts arrive
-            tasks.append(asyncio.create_task(follow(busy, "busy", log)))
-            await busy.opened_everywhere.wait()
-            busy.release.set()
-            await busy.sent.wait()
-            await asyncio.sleep(1.0)  # the head takes it at once: nothing else is queued
+            tasks.append(await keep_busy(c, route, text[1000:1500], log))  # while the others' prompts arrive
             for run in reversed(runs.values()):  # d's chunks reach the head first, a's last
                 run.release.set()
                 await run.sent.wait()
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
         return sorted(log)
 
-    with swarm:
-        log = asyncio.run(scenario())
+    log = asyncio.run(scenario())
     order = [(name, what) for _, name, what in log if name in "abcd"]
     assert sorted(order) == sorted((n, w) for n in "abcd" for w in ("chunk", "token")), order
     first_of_later = min(order.index((n, "chunk")) for n in "cd")
     assert {n for n, w in order[:first_of_later]} == {"a", "b"}, order
     assert all(order.index((n, "token")) < first_of_later for n in "ab"), order
+
+
+def test_a_busy_head_tokenizes_a_new_prompt_without_waiting_for_its_compute(swarm, text):
+    """While the head computes a chunk (3 s and more to go), a new request's prompt is tokenized
+    there: the reply comes while the chunk is still uncomputed (the session's position at the head
+    is 0). On the backend thread, as before, the tokenizing waited for the compute call to end."""
+
+    async def scenario() -> tuple[M.TokenizeReply, list[int]]:
+        async with await NeuronClient.connect(swarm.url) as c:
+            route = await c.route(swarm.preset)
+            head = route.hops[0].node_id
+            busy = await keep_busy(c, route, text[1500:2000], [])
+            reply = await c.control(head, M.TokenizeRequest(text="Tell me about harbours."))
+            positions = [s.position for s in (await c.sessions(head)).sessions]
+            await asyncio.wait_for(busy, 300)
+        return reply, positions
+
+    reply, positions = asyncio.run(scenario())
+    assert reply.tokens and positions == [0]
