@@ -14,8 +14,9 @@ the bound); the hop's prompt turns (neuron_bus/worker/waves.py) aim at the bound
 Figures per run, then medians with their range over the runs: mean, p50 and p90 TTFT, the first
 and the last, and ``ttft_mean_vs_first_come_bound``.
 
-Then, once per run, a short prompt (32 tokens) sent a second after 4 long ones (2x ``--prompt``
-tokens each): its time to first token against its time alone on the idle route
+Then, once per run, a short prompt (about 32 tokens, sent as text for the route's head to
+tokenize, as the gateway's requests are) sent a second after 4 long ones (2x ``--prompt`` tokens
+each): its time to first token against its time alone on the idle route
 (``short_behind_long_vs_alone``). First come, first served alone would hold it until a long prompt
 is in; the hop gives one place in each batch to the prompt with the fewest positions left.
 """
@@ -55,7 +56,7 @@ def prompts(tokenizer, sessions: int, length: int) -> list[list[int]]:
     return [ids[4 * k : 4 * k + length] for k in range(sessions)]
 
 
-async def _first_token(c: NeuronClient, ids: list[int], chunk: int) -> float:
+async def _first_token(c: NeuronClient, ids: list[int] | str, chunk: int) -> float:
     first, _, _ = await bench_kv.first_token(c, ids, NEW_TOKENS, chunk_size=chunk, prefix_reuse=False)
     return first
 
@@ -79,10 +80,9 @@ SHORT = 32  # tokens of the short prompt sent behind long ones
 LONG = 4  # long prompts it is sent behind
 
 
-def run_once(url: str, batch: list[list[int]], chunk: int, long: list[list[int]]) -> dict:
+def run_once(url: str, batch: list[list[int]], chunk: int, long: list[list[int]], short: str) -> dict:
     async def go() -> tuple[list[float], float, float]:
         async with await NeuronClient.connect(url, queue_limit=0) as c:
-            short = batch[-1][-SHORT:]
             await _first_token(c, batch[0][:SHORT], chunk)  # warm: consumers bound, links up
             alone = await _first_token(c, short, chunk)
             ttfts = list(await asyncio.gather(*(_first_token(c, ids, chunk) for ids in batch)))
@@ -114,6 +114,7 @@ def main() -> int:
     tokenizer = open_tokenizer(model_path)
     batch = prompts(tokenizer, args.sessions, args.prompt)
     long = prompts(tokenizer, LONG, 2 * args.prompt)
+    short = tokenizer.decode(batch[-1][-SHORT:])  # text: the head tokenizes it, as it does the gateway's
     print(
         f"model {model_path.name}; {args.sessions} prompts of {args.prompt} tokens at once on a 2-hop route, "
         f"chunks of {args.chunk}; 1 thread per process; {args.runs} run(s)",
@@ -122,7 +123,7 @@ def main() -> int:
     runs = []
     with LocalSwarm(model_path, 2, workdir=Path(tempfile.mkdtemp(prefix="neuron-ttft-"))) as swarm:
         for i in range(args.runs):
-            r = run_once(swarm.url, batch, args.chunk, long)
+            r = run_once(swarm.url, batch, args.chunk, long, short)
             runs.append(r)
             print(
                 f"run {i + 1}: TTFT mean {r['ttft_mean_s']:.1f} s, p50 {r['ttft_p50_s']:.1f}, p90 {r['ttft_p90_s']:.1f}, "
