@@ -64,7 +64,9 @@ async def follow(run: HeldRun, name: str, log: list[tuple[float, str, str]]) -> 
             log.append((time.monotonic(), name, "token"))
 
 
-async def keep_busy(c: NeuronClient, route: M.RouteAssignment, ids: list[int], log: list) -> asyncio.Task:
+async def keep_busy(
+    c: NeuronClient, route: M.RouteAssignment, ids: list[int], log: list
+) -> tuple[HeldRun, asyncio.Task]:
     """A session whose one chunk of 500 positions the head takes at once (nothing else is queued)."""
     busy = HeldRun(c, route, ids, 500)
     task = asyncio.create_task(follow(busy, "busy", log))
@@ -72,7 +74,7 @@ async def keep_busy(c: NeuronClient, route: M.RouteAssignment, ids: list[int], l
     busy.release.set()
     await busy.sent.wait()
     await asyncio.sleep(1.0)  # in the head's compute call: 2 s of sleep, then the chunk
-    return task
+    return busy, task
 
 
 def test_a_busy_head_computes_waiting_prompts_in_the_order_it_opened_them(swarm, text):
@@ -92,7 +94,8 @@ def test_a_busy_head_computes_waiting_prompts_in_the_order_it_opened_them(swarm,
             for name, run in runs.items():  # the hops open them in this order (an open waits out a compute call)
                 tasks.append(asyncio.create_task(follow(run, name, log)))
                 await run.opened_everywhere.wait()
-            tasks.append(await keep_busy(c, route, text[1000:1500], log))  # while the others' prompts arrive
+            _, busy = await keep_busy(c, route, text[1000:1500], log)  # while the others' prompts arrive
+            tasks.append(busy)
             for run in reversed(runs.values()):  # d's chunks reach the head first, a's last
                 run.release.set()
                 await run.sent.wait()
@@ -116,10 +119,11 @@ def test_a_busy_head_tokenizes_a_new_prompt_without_waiting_for_its_compute(swar
         async with await NeuronClient.connect(swarm.url) as c:
             route = await c.route(swarm.preset)
             head = route.hops[0].node_id
-            busy = await keep_busy(c, route, text[1500:2000], [])
+            busy, task = await keep_busy(c, route, text[1500:2000], [])
             reply = await c.control(head, M.TokenizeRequest(text="Tell me about harbours."))
-            positions = [s.position for s in (await c.sessions(head)).sessions]
-            await asyncio.wait_for(busy, 300)
+            held = (await c.sessions(head)).sessions
+            positions = [s.position for s in held if s.session_id == busy.session_id]
+            await asyncio.wait_for(task, 300)
         return reply, positions
 
     reply, positions = asyncio.run(scenario())
