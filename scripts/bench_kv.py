@@ -52,16 +52,16 @@ def sessions_admitted(model_path: Path, threads: int, positions: int = 512, cach
 
 
 async def first_token(
-    c: NeuronClient, ids: list[int] | str, new_tokens: int = NEW_TOKENS, **kw
+    c: NeuronClient, prompt: list[int] | str, new_tokens: int = NEW_TOKENS, **kw
 ) -> tuple[float, list[int], int]:
     """Time to first token of one generation of ``new_tokens`` (greedy), its tokens, and the prompt
-    positions its route reused; ``ids`` are token ids, or text for the route's head to tokenize (as
+    positions its route reused; ``prompt``: token ids, or text for the route's head to tokenize (as
     the gateway's requests are); ``kw`` goes to `NeuronClient.generate`."""
     t0 = time.perf_counter()
     first, tokens, reused = None, [], 0
     sampling = M.SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    prompt = {"prompt": ids} if isinstance(ids, str) else {"prompt_tokens": ids}
-    async for ev in c.generate(**prompt, sampling=sampling, **kw):
+    given = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_tokens": prompt}
+    async for ev in c.generate(**given, sampling=sampling, **kw):
         if isinstance(ev, M.TokenDelta):
             first = first if first is not None else time.perf_counter() - t0
             tokens.append(ev.token_id)

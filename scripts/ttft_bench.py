@@ -56,8 +56,8 @@ def prompts(tokenizer, sessions: int, length: int) -> list[list[int]]:
     return [ids[4 * k : 4 * k + length] for k in range(sessions)]
 
 
-async def _first_token(c: NeuronClient, ids: list[int] | str, chunk: int) -> float:
-    first, _, _ = await bench_kv.first_token(c, ids, NEW_TOKENS, chunk_size=chunk, prefix_reuse=False)
+async def _first_token(c: NeuronClient, prompt: list[int] | str, chunk: int) -> float:
+    first, _, _ = await bench_kv.first_token(c, prompt, NEW_TOKENS, chunk_size=chunk, prefix_reuse=False)
     return first
 
 
