@@ -81,8 +81,8 @@ def test_a_busy_head_computes_waiting_prompts_in_the_order_it_opened_them(swarm,
     """Sessions a, b, c, d open one after another; then, while the head computes another prompt
     (slowed by 2 s a call), their prompts (two chunks each) reach it in the reverse order, d's
     first. The head takes two chunks a batch: a's and b's, again a's and b's (their first tokens),
-    then c's and d's. Taken as they arrived (the code before d8667d7, checked) the first batch was
-    d's and c's, and a and b reached their first tokens last."""
+    then c's and d's. Taken in arrival order (`next_prefill` given no turns, checked) the first
+    batch was d's and c's, and a and b reached their first tokens last."""
     prompts = {name: text[k : k + 2 * CHUNK] for k, name in enumerate("abcd")}
 
     async def scenario() -> list[tuple[float, str, str]]:
